@@ -1,0 +1,47 @@
+"""keras_dist: the same `model.fit` on many devices, on every Keras backend.
+
+Build and compile a model inside ``strategy.scope()``; ``fit``, ``evaluate``
+and ``predict`` then run replicated. See ``guides/distributed_training.md``.
+"""
+
+from keras_dist._src.api import list_devices, simulate_cpu_devices
+from keras_dist._src.api import _apply_env as _apply_env
+from keras_dist._src.errors import (
+    DevicesAlreadyInitializedError,
+    KerasDistError,
+    StrategyMixingError,
+    UnsupportedBackendError,
+    VariablesOutsideScopeError,
+)
+from keras_dist._src.strategies import (
+    MirroredStrategy,
+    OneDeviceStrategy,
+    available_strategies,
+    strategy_from_name,
+)
+from keras_dist._src.strategy import Strategy, get_strategy, has_strategy
+from keras_dist._src.values import PerReplica, ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DevicesAlreadyInitializedError",
+    "KerasDistError",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "Strategy",
+    "StrategyMixingError",
+    "UnsupportedBackendError",
+    "VariablesOutsideScopeError",
+    "available_strategies",
+    "get_strategy",
+    "has_strategy",
+    "list_devices",
+    "simulate_cpu_devices",
+    "strategy_from_name",
+]
+
+_apply_env()
+del _apply_env

@@ -1,0 +1,39 @@
+"""Chooses the backend module once, from `keras.backend.backend()`."""
+
+from __future__ import annotations
+
+import importlib
+
+import keras
+
+from keras_dist._src.errors import UnsupportedBackendError
+
+_MODULES = {
+    "jax": "keras_dist._src.backend.jax_backend",
+    "tensorflow": "keras_dist._src.backend.tensorflow_backend",
+    "torch": "keras_dist._src.backend.torch_backend",
+}
+_loaded = None
+
+
+def name() -> str:
+    """Returns the name of the active Keras backend."""
+    return keras.backend.backend()
+
+
+def get():
+    """Returns the backend module for the active Keras backend.
+
+    Raises:
+        UnsupportedBackendError: for a Keras backend keras_dist cannot drive.
+    """
+    global _loaded
+    if _loaded is None:
+        backend = name()
+        if backend not in _MODULES:
+            raise UnsupportedBackendError(
+                f"keras_dist does not support KERAS_BACKEND={backend!r}. "
+                f"Set KERAS_BACKEND to one of {sorted(_MODULES)}."
+            )
+        _loaded = importlib.import_module(_MODULES[backend])
+    return _loaded

@@ -1,0 +1,85 @@
+"""The contract every backend implements, written down once.
+
+A backend is a module with the free functions of `BackendModule`; its
+`create_engine` returns an object satisfying `Engine`. `tests/test_contract.py`
+checks that every backend module has all of it, with the same signatures, so
+the backends cannot drift apart silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Runs replicated computation on a fixed list of devices."""
+
+    devices: tuple[str, ...]
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas that take part in each step."""
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Context in which variables are created mirrored."""
+
+    def call_scope(self) -> contextlib.AbstractContextManager:
+        """Context around `fit`/`evaluate`/`predict` of an attached model."""
+
+    def attach(self, model) -> None:
+        """Validates `model` and installs the replicated step functions."""
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Calls `fn` once per replica; returns per-replica results."""
+
+    def reduce(self, op, value, axis: int | None) -> Any:
+        """Combines a per-replica `value` across replicas."""
+
+    def gather(self, value, axis: int) -> Any:
+        """Concatenates a per-replica `value` along `axis`."""
+
+    def distribute_dataset(self, dataset) -> Any:
+        """Returns an iterable of per-replica batches of `dataset`."""
+
+    def local_results(self, value) -> tuple:
+        """Returns the per-replica parts of `value`."""
+
+
+class BackendModule(Protocol):
+    """Free functions of a backend module (``keras_dist._src.backend.<b>``)."""
+
+    NAME: str
+
+    def list_devices(self, device_type: str | None = None) -> list[str]:
+        """Devices this process can use, as ``"type:index"`` names."""
+
+    def default_devices(self) -> list[str]:
+        """Devices a `MirroredStrategy()` without arguments uses."""
+
+    def simulate_cpu_devices(self, count: int) -> None:
+        """Splits the host CPU into `count` devices; before backend start."""
+
+    def create_engine(
+        self, devices: Sequence[str], sync_batch_norm: bool
+    ) -> Engine:
+        """Returns the engine running replicas on `devices`."""
+
+
+CONTRACT_FUNCTIONS = (
+    "list_devices",
+    "default_devices",
+    "simulate_cpu_devices",
+    "create_engine",
+)
+ENGINE_METHODS = (
+    "scope",
+    "call_scope",
+    "attach",
+    "run",
+    "reduce",
+    "gather",
+    "distribute_dataset",
+    "local_results",
+)

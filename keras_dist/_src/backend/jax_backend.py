@@ -1,0 +1,406 @@
+"""JAX backend: one jitted step on the global batch, sharded over a `Mesh`.
+
+Variables are replicated (`NamedSharding(mesh, P())`) and each batch is
+sharded along its first axis (`P("batch")`); XLA's SPMD partitioner inserts
+the gradient all-reduce. Keras's own JAX trainer already compiles its step
+this way when a `keras.distribution.Distribution` is active, so the engine
+activates one (an exact variant of `DataParallel`) inside the strategy scope.
+
+Because the step computes on the global batch, the loss is the global mean,
+metrics are exact and BatchNormalization sees the statistics of the whole
+batch. A batch whose size does not divide by the replica count (the last one
+of an epoch, say) is replicated instead of sharded: every device computes the
+same, exact result, and nothing is padded or dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from keras import distribution as keras_distribution
+from keras import tree
+
+from keras_dist._src.devices import normalize_device
+from keras_dist._src.errors import (
+    DevicesAlreadyInitializedError,
+    UnsupportedBackendError,
+    VariablesOutsideScopeError,
+)
+from keras_dist._src.values import PerReplica, ReduceOp, local_results
+
+NAME = "jax"
+BATCH_AXIS = "batch"
+
+
+def _jax_devices_by_name() -> dict:
+    devices = {}
+    for device in jax.devices():
+        devices[f"{device.platform}:{device.id}"] = device
+    if jax.default_backend() != "cpu":
+        try:
+            for device in jax.devices("cpu"):
+                devices.setdefault(f"cpu:{device.id}", device)
+        except RuntimeError:
+            pass
+    return devices
+
+
+def list_devices(device_type: str | None = None) -> list[str]:
+    """Devices of this process as ``"type:index"`` names."""
+    names = list(_jax_devices_by_name())
+    if device_type:
+        names = [n for n in names if n.startswith(device_type.lower() + ":")]
+    return names
+
+
+def default_devices() -> list[str]:
+    """Every device of JAX's default platform (GPUs/TPUs, else CPUs)."""
+    return [f"{d.platform}:{d.id}" for d in jax.devices()]
+
+
+def _backends_initialized() -> bool:
+    from jax._src import xla_bridge
+
+    check = getattr(xla_bridge, "backends_are_initialized", None)
+    if check is not None:
+        return bool(check())
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Makes JAX's CPU platform expose `count` devices.
+
+    Raises:
+        DevicesAlreadyInitializedError: if JAX has already started.
+    """
+    if _backends_initialized():
+        current = len(jax.devices("cpu"))
+        if current == count:
+            return
+        raise DevicesAlreadyInitializedError(
+            f"Cannot simulate {count} CPU devices: JAX has already started "
+            f"with {current}. Call keras_dist.simulate_cpu_devices({count}) "
+            "(or set KERAS_DIST_CPU_DEVICES) before any JAX computation, "
+            "e.g. right after `import keras_dist`."
+        )
+    jax.config.update("jax_num_cpu_devices", int(count))
+    # Keep child processes (and XLA itself) consistent with the request.
+    flag = f"--xla_force_host_platform_device_count={int(count)}"
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+
+
+class _ExactDataParallel(keras_distribution.DataParallel):
+    """`DataParallel` that replicates batches it cannot split evenly."""
+
+    def get_data_layout(self, data_shape):
+        num = self.device_mesh.shape[0]
+        if len(data_shape) == 0 or data_shape[0] is None:
+            return super().get_data_layout(data_shape)
+        if data_shape[0] % num != 0:
+            return keras_distribution.TensorLayout(
+                [None] * len(data_shape), self.device_mesh
+            )
+        return super().get_data_layout(data_shape)
+
+
+class OneDeviceEngine:
+    """Everything placed on one device; Keras's own step, unchanged."""
+
+    def __init__(self, device: str):
+        self.devices = (device,)
+        self._device = _jax_devices_by_name()[device]
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    def scope(self):
+        return jax.default_device(self._device)
+
+    def call_scope(self):
+        return jax.default_device(self._device)
+
+    def attach(self, model) -> None:
+        for variable in model.variables:
+            devices = variable.value.devices()
+            if devices != {self._device}:
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} "
+                    f"lives on {sorted(map(str, devices))}, not on "
+                    f"{self.devices[0]}: it was created outside "
+                    "strategy.scope(). Build the model inside the scope."
+                )
+
+    def run(self, fn, args, kwargs):
+        with self.scope():
+            return fn(*args, **kwargs)
+
+    def reduce(self, op, value, axis):
+        return _reduce(op, value, axis, 1)
+
+    def gather(self, value, axis):
+        return _gather(value, axis)
+
+    def local_results(self, value):
+        return local_results(value)
+
+    def distribute_dataset(self, dataset):
+        return _DistributedDataset(dataset, [self._device])
+
+
+class MirroredEngine:
+    """Replicated variables, batch-sharded data, one jitted SPMD step."""
+
+    def __init__(self, devices, sync_batch_norm: bool):
+        if not sync_batch_norm:
+            raise UnsupportedBackendError(
+                "sync_batch_norm=False (per-replica BatchNormalization "
+                "statistics) is not available on the JAX backend yet: the "
+                "JAX step computes on the global batch, so statistics are "
+                "always those of the global batch. Use sync_batch_norm=True."
+            )
+        self.devices = tuple(devices)
+        by_name = _jax_devices_by_name()
+        self._jax_devices = [by_name[d] for d in self.devices]
+        self.mesh = Mesh(np.array(self._jax_devices), (BATCH_AXIS,))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.sharded = NamedSharding(self.mesh, PartitionSpec(BATCH_AXIS))
+        device_mesh = keras_distribution.DeviceMesh(
+            shape=(len(self.devices),),
+            axis_names=[BATCH_AXIS],
+            devices=list(self.devices),
+        )
+        self.distribution = _ExactDataParallel(
+            device_mesh=device_mesh, auto_shard_dataset=False
+        )
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self.devices)
+
+    def scope(self):
+        # Variables created here get a replicated layout from Keras itself.
+        return self.distribution.scope()
+
+    def call_scope(self):
+        # fit/evaluate/predict run with no Keras distribution active: the
+        # engine's step functions place state and batches themselves, which
+        # lets a batch that does not divide among replicas be replicated.
+        return contextlib.nullcontext()
+
+    def attach(self, model) -> None:
+        mesh_devices = set(self._jax_devices)
+        for variable in model.variables:
+            sharding = variable.value.sharding
+            if set(sharding.device_set) != mesh_devices:
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} is "
+                    f"not mirrored on {list(self.devices)}: it was created "
+                    "outside strategy.scope(). Build (and load weights into) "
+                    "the model inside `with strategy.scope():`."
+                )
+        _StepFunctions(self, model).install()
+
+    def place_batch(self, batch):
+        """Shards `batch` along axis 0, or replicates it if that is uneven."""
+
+        def place(x):
+            if x is None:
+                return None
+            shape = np.shape(x)
+            if shape and shape[0] % len(self.devices) == 0:
+                return jax.device_put(x, self.sharded)
+            return jax.device_put(x, self.replicated)
+
+        return tree.map_structure(place, batch, none_is_leaf=True)
+
+    def place_state(self, state):
+        """Replicates every array of `state` that is not yet replicated."""
+        replicated = self.replicated
+
+        def place(x):
+            if getattr(x, "sharding", None) == replicated:
+                return x
+            return jax.device_put(x, replicated)
+
+        return tree.map_structure(place, state)
+
+    def run(self, fn, args, kwargs):
+        n = len(self.devices)
+        outputs = []
+        for i, device in enumerate(self._jax_devices):
+            a = _select_replica(args, i, n)
+            k = _select_replica(kwargs, i, n)
+            with jax.default_device(device):
+                a, k = jax.device_put((a, k), device)
+                outputs.append(fn(*a, **k))
+        return _stack_outputs(outputs)
+
+    def reduce(self, op, value, axis):
+        return _reduce(op, value, axis, len(self.devices))
+
+    def gather(self, value, axis):
+        return _gather(value, axis)
+
+    def local_results(self, value):
+        return local_results(value)
+
+    def distribute_dataset(self, dataset):
+        return _DistributedDataset(dataset, self._jax_devices)
+
+
+class _StepFunctions:
+    """The replicated train/test/predict functions of one model."""
+
+    def __init__(self, engine, model):
+        self.engine = engine
+        self.model = model
+
+    def install(self) -> None:
+        model = self.model
+        model.__dict__["make_train_function"] = self.make_train_function
+        model.__dict__["make_test_function"] = self.make_test_function
+        model.__dict__["make_predict_function"] = self.make_predict_function
+        model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+
+    def _compile(self, step, out_shardings):
+        model = self.model
+        if model.run_eagerly or not model.jit_compile:
+            return step
+        return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+    def _wrap(self, step):
+        engine = self.engine
+        iterator_step = self.model._make_function(step)
+        last_state = [None]
+
+        def function(state, iterator):
+            if state is not last_state[0]:
+                state = engine.place_state(state)
+            outputs, state = iterator_step(
+                state, map(engine.place_batch, iterator)
+            )
+            last_state[0] = state
+            return outputs, state
+
+        return function
+
+    def make_train_function(self, force=False):
+        """Jits the model's `train_step` with replicated state."""
+        model = self.model
+        if model.train_function is not None and not force:
+            return model.train_function
+        replicated = self.engine.replicated
+        step = self._compile(model.train_step, (replicated, replicated))
+        model.train_function = self._wrap(step)
+        return model.train_function
+
+    def make_test_function(self, force=False):
+        """Jits the model's `test_step` with replicated state."""
+        model = self.model
+        if model.test_function is not None and not force:
+            return model.test_function
+        replicated = self.engine.replicated
+        step = self._compile(model.test_step, (replicated, replicated))
+        model.test_function = self._wrap(step)
+        return model.test_function
+
+    def make_predict_function(self, force=False):
+        """Jits the model's `predict_step`; outputs stay batch-sharded."""
+        model = self.model
+        if model.predict_function is not None and not force:
+            return model.predict_function
+
+        def predict_step(state, data):
+            outputs, non_trainable = model.predict_step(state, data)
+            return outputs, (state[0], non_trainable)
+
+        step = self._compile(predict_step, None)
+        model.predict_function = self._wrap(step)
+        return model.predict_function
+
+
+def create_engine(devices, sync_batch_norm: bool):
+    """Returns the engine for `devices` (one device: no mesh at all)."""
+    devices = [normalize_device(d) for d in devices]
+    if len(devices) == 1:
+        return OneDeviceEngine(devices[0])
+    return MirroredEngine(devices, sync_batch_norm)
+
+
+# -- per-replica helpers ------------------------------------------------------
+def _select_replica(structure, index, count):
+    def pick(x):
+        if isinstance(x, PerReplica):
+            if len(x) != count:
+                raise ValueError(
+                    f"A per-replica value has {len(x)} parts but the "
+                    f"strategy has {count} replicas."
+                )
+            return x.values[index]
+        return x
+
+    return tree.map_structure(
+        pick, structure, none_is_leaf=True
+    ) if structure else structure
+
+
+def _stack_outputs(outputs):
+    if len(outputs) == 1:
+        return outputs[0]
+    return tree.map_structure(lambda *xs: PerReplica(xs), *outputs)
+
+
+def _reduce(op, value, axis, count):
+    parts = [np.asarray(p) for p in local_results(value)]
+    if not isinstance(value, PerReplica) and count > 1 and axis is None:
+        if op is ReduceOp.SUM:
+            raise ValueError(
+                "reduce(SUM, value) needs a per-replica value (for example "
+                "the result of strategy.run); got a plain value, which is the "
+                "same on every replica."
+            )
+        return jax.numpy.asarray(parts[0])
+    if axis is None:
+        stacked = np.stack(parts)
+        out = stacked.sum(0) if op is ReduceOp.SUM else stacked.mean(0)
+    else:
+        joined = np.concatenate(parts, axis=axis)
+        out = joined.sum(axis) if op is ReduceOp.SUM else joined.mean(axis)
+    return jax.numpy.asarray(out)
+
+
+def _gather(value, axis):
+    parts = [np.asarray(p) for p in local_results(value)]
+    return jax.numpy.asarray(np.concatenate(parts, axis=axis))
+
+
+class _DistributedDataset:
+    """Splits each global batch of a dataset across replica devices."""
+
+    def __init__(self, dataset, devices):
+        self._dataset = dataset
+        self._devices = devices
+
+    def __iter__(self):
+        from keras_dist._src.data import iterate_numpy_batches, split_batch
+
+        for batch in iterate_numpy_batches(self._dataset):
+            parts = split_batch(batch, len(self._devices))
+            placed = [
+                jax.device_put(part, device)
+                for part, device in zip(parts, self._devices)
+            ]
+            yield _stack_outputs(placed)
+

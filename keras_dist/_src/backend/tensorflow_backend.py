@@ -1,0 +1,377 @@
+"""TensorFlow backend: tf.distribute's MirroredStrategy and MirroredVariables.
+
+Models built in the scope get MirroredVariables, and Keras's TF trainer runs
+its step with `tf.distribute.Strategy.run` on per-replica batches of a
+distributed dataset. keras_dist replaces that per-replica step with an exact
+one: Keras divides each replica's loss by the replica count ("mean of
+per-replica means"), which is wrong whenever shards differ in size (the last
+batch of an epoch). Here each replica's data loss is weighted by its share of
+the global batch, gradients are summed by tf.distribute's all-reduce, metric
+variables (SUM-aggregated MirroredVariables) add up numerators and
+denominators across replicas, and BatchNormalization layers are switched to
+Keras's synchronized (cross-replica) statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers import data_adapters
+from keras.src.trainers.trainer import Trainer
+
+from keras_dist._src.devices import normalize_device
+from keras_dist._src.errors import (
+    DevicesAlreadyInitializedError,
+    VariablesOutsideScopeError,
+)
+from keras_dist._src.values import PerReplica, ReduceOp
+
+NAME = "tensorflow"
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def _tf_name(device: str) -> str:
+    kind, index = device.split(":")
+    return f"/device:{kind.upper()}:{index}"
+
+
+def list_devices(device_type: str | None = None) -> list[str]:
+    """Logical devices of this process as ``"type:index"`` names."""
+    names = []
+    for device in tf.config.list_logical_devices():
+        if device.device_type not in ("CPU", "GPU", "TPU"):
+            continue
+        names.append(normalize_device(device.name))
+    if device_type:
+        names = [n for n in names if n.startswith(device_type.lower() + ":")]
+    return names
+
+
+def default_devices() -> list[str]:
+    """Every GPU (or TPU) if there is one, else every logical CPU."""
+    for kind in ("gpu", "tpu", "cpu"):
+        devices = list_devices(kind)
+        if devices:
+            return devices
+    raise RuntimeError("TensorFlow reports no devices at all.")
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Splits the host CPU into `count` logical devices.
+
+    Raises:
+        DevicesAlreadyInitializedError: if TensorFlow has started already.
+    """
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * int(count)
+        )
+    except RuntimeError as error:
+        current = len(tf.config.list_logical_devices("CPU"))
+        if current == count:
+            return
+        raise DevicesAlreadyInitializedError(
+            f"Cannot simulate {count} CPU devices: TensorFlow has already "
+            f"initialised its devices ({current} CPU). Call "
+            f"keras_dist.simulate_cpu_devices({count}) (or set "
+            "KERAS_DIST_CPU_DEVICES) before any TensorFlow operation, e.g. "
+            "right after `import keras_dist`."
+        ) from error
+
+
+class _EngineBase:
+    devices: tuple
+
+    def local_results(self, value):
+        return tuple(self.tf_strategy.experimental_local_results(value))
+
+    def run(self, fn, args, kwargs):
+        return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
+
+    def reduce(self, op, value, axis):
+        if isinstance(value, PerReplica):
+            value = self._to_distributed(value)
+        tf_op = tf.distribute.ReduceOp[ReduceOp.from_any(op).value]
+        return self.tf_strategy.reduce(tf_op, value, axis=axis)
+
+    def gather(self, value, axis):
+        if isinstance(value, PerReplica):
+            value = self._to_distributed(value)
+        return self.tf_strategy.gather(value, axis=axis)
+
+    def distribute_dataset(self, dataset):
+        if isinstance(dataset, tf.data.Dataset):
+            return self.tf_strategy.experimental_distribute_dataset(dataset)
+        return _DistributedIterable(self, dataset)
+
+    def _to_distributed(self, per_replica):
+        values = per_replica.values
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: values[ctx.replica_id_in_sync_group]
+        )
+
+
+class OneDeviceEngine(_EngineBase):
+    """Keras's own step on one device, placed with `tf.device`."""
+
+    def __init__(self, device: str):
+        self.devices = (device,)
+        self.tf_strategy = tf.distribute.get_strategy()
+        self._tf_device = _tf_name(device)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    def scope(self):
+        return tf.device(self._tf_device)
+
+    def call_scope(self):
+        return tf.device(self._tf_device)
+
+    def attach(self, model) -> None:
+        for variable in model.variables:
+            value = variable.value
+            if isinstance(value, tf.distribute.DistributedValues):
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} was "
+                    "created under another (multi-device) strategy. Build "
+                    "the model inside this strategy's scope."
+                )
+            if not value.device.upper().endswith(self._tf_device.upper()[1:]):
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} "
+                    f"lives on {value.device!r}, not on {self.devices[0]}: "
+                    "it was created outside strategy.scope(). Build the model "
+                    "inside the scope."
+                )
+
+    def run(self, fn, args, kwargs):
+        with self.scope():
+            return fn(*args, **kwargs)
+
+
+class MirroredEngine(_EngineBase):
+    """`tf.distribute.MirroredStrategy` with an exact per-replica step."""
+
+    def __init__(self, devices, sync_batch_norm: bool):
+        self.devices = tuple(devices)
+        self.sync_batch_norm = sync_batch_norm
+        self.tf_strategy = _new_mirrored_strategy(
+            [_tf_name(d) for d in self.devices]
+        )
+        self._warned = False
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.tf_strategy.num_replicas_in_sync
+
+    def scope(self):
+        return self.tf_strategy.scope()
+
+    def call_scope(self):
+        return self.tf_strategy.scope()
+
+    def attach(self, model) -> None:
+        strategy = getattr(model, "_distribute_strategy", None)
+        if strategy is not self.tf_strategy:
+            raise VariablesOutsideScopeError(
+                f"Model {model.name!r} was created outside strategy.scope(), "
+                "so its variables are not mirrored. Create the model (not "
+                "only compile it) inside `with strategy.scope():`."
+            )
+        extended = self.tf_strategy.extended
+        for variable in model.variables:
+            if not extended.variable_created_in_scope(variable.value):
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} was "
+                    "created outside strategy.scope(). Build the model and "
+                    "all its layers inside the scope."
+                )
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = self.sync_batch_norm
+        self._install_steps(model)
+
+    def _install_steps(self, model) -> None:
+        cls = type(model)
+        custom_loss = cls.compute_loss is not Trainer.compute_loss
+        custom_train = cls.train_step is not TensorFlowTrainer.train_step
+        custom_test = cls.test_step is not TensorFlowTrainer.test_step
+        engine = self
+
+        if custom_loss or custom_train or custom_test:
+            self._warn(
+                f"Model {model.name!r} overrides train_step, test_step or "
+                "compute_loss: keras_dist runs it per replica as tf.distribute "
+                "does, so a loss it computes is a per-replica mean; shards of "
+                "unequal size (the last batch of an epoch) are then weighted "
+                "equally rather than by their size."
+            )
+
+        def make_train_function(force=False):
+            if model.train_function is not None and not force:
+                return model.train_function
+            step = model.train_step
+            if not (custom_loss or custom_train):
+                def step(data):
+                    return _exact_step(engine, model, data, training=True)
+            model.train_function = model._make_function(step)
+            return model.train_function
+
+        def make_test_function(force=False):
+            if model.test_function is not None and not force:
+                return model.test_function
+            step = model.test_step
+            if not (custom_loss or custom_test):
+                def step(data):
+                    return _exact_step(engine, model, data, training=False)
+            model.test_function = model._make_function(step)
+            return model.test_function
+
+        def maybe_symbolic_build(iterator=None, data_batch=None):
+            # Keras sums the per-replica parts of the first batch to get
+            # shapes for building, which fails when the parts differ in
+            # size; the first replica's part has the same shapes but batch.
+            if iterator is not None:
+                for _, _, it in iterator:
+                    data_batch = tree.map_structure(
+                        lambda x: engine.local_results(x)[0]
+                        if isinstance(x, tf.distribute.DistributedValues)
+                        else x,
+                        next(it),
+                    )
+                    break
+            with engine.tf_strategy.scope():
+                model._symbolic_build(data_batch=data_batch)
+
+        model.__dict__["make_train_function"] = make_train_function
+        model.__dict__["make_test_function"] = make_test_function
+        model.__dict__["_maybe_symbolic_build"] = maybe_symbolic_build
+        model.train_function = None
+        model.test_function = None
+
+    def _warn(self, message):
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, stacklevel=4)
+
+
+_strategies_created = 0
+
+
+def _new_mirrored_strategy(tf_devices):
+    """A MirroredStrategy whose collective group keys are its own.
+
+    Every MirroredStrategy starts its collective group keys at 1, so a second
+    strategy over a different device set in the same process collides with
+    the first ("joining a group with size 4, but that group has size 2").
+    tf.distribute reads the key base from the class; give each strategy a
+    disjoint range.
+    """
+    global _strategies_created
+    _strategies_created += 1
+    cls = type(
+        "MirroredStrategy",
+        (tf.distribute.MirroredStrategy,),
+        {"_collective_key_base": 100_000 * _strategies_created},
+    )
+    return cls(devices=tf_devices)
+
+
+def create_engine(devices, sync_batch_norm: bool):
+    """Returns the engine for `devices` (one device: no tf.distribute)."""
+    devices = [normalize_device(d) for d in devices]
+    if len(devices) == 1:
+        return OneDeviceEngine(devices[0])
+    return MirroredEngine(devices, sync_batch_norm)
+
+
+def _exact_step(engine, model, data, training):
+    """One replica's share of an exact global-batch step."""
+    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(
+        data
+    )
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    first = next(i for i in tree.flatten(x) if i is not None)
+    local_count = tf.shape(first)[0]
+    local = tf.cast(local_count, "float32")
+    global_count = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    share = tf.math.divide_no_nan(local * replicas, global_count)
+
+    with tf.GradientTape() as tape:
+        kwargs = {"training": training} if model._call_has_training_arg else {}
+        y_pred = model(x, **kwargs)
+        # Keras scales both parts by 1/replicas ("mean of means").
+        data_loss = None
+        if model._compile_loss is not None:
+            data_loss = model._compile_loss(y, y_pred, sample_weight)
+        extra = [model._aggregate_additional_loss(v) for v in model.losses]
+        if data_loss is None and not extra:
+            raise ValueError(
+                "No loss to compute. Provide a `loss` argument in `compile()`."
+            )
+        zero = tf.zeros((), dtype="float32")
+        data_loss = zero if data_loss is None else data_loss
+        extra_loss = tf.add_n(extra) if extra else tf.zeros_like(data_loss)
+        _check_mean_reductions(model)
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(data_loss + extra_loss),
+            sample_weight=local_count,
+        )
+        loss = data_loss * tf.cast(share, data_loss.dtype) + extra_loss
+        if training and model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+
+    if training:
+        if model.trainable_weights:
+            weights = model.trainable_weights
+            gradients = tape.gradient(loss, weights)
+            model.optimizer.apply_gradients(zip(gradients, weights))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _check_mean_reductions(model):
+    flat = getattr(model._compile_loss, "_flat_losses", None) or []
+    for entry in flat:
+        reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+        if reduction not in _MEAN_REDUCTIONS:
+            raise ValueError(
+                f"Loss {entry.name or entry.loss!r} uses reduction "
+                f"{reduction!r}; keras_dist's exact replicated step supports "
+                f"losses with reduction in {_MEAN_REDUCTIONS} (the Keras "
+                "default). Use the default reduction, or override "
+                "`compute_loss` to compute the loss yourself."
+            )
+
+
+class _DistributedIterable:
+    """Per-replica batches from any iterable of global batches."""
+
+    def __init__(self, engine, dataset):
+        self._engine = engine
+        self._dataset = dataset
+
+    def __iter__(self):
+        from keras_dist._src.data import iterate_numpy_batches, split_batch
+
+        count = self._engine.num_replicas_in_sync
+        for batch in iterate_numpy_batches(self._dataset):
+            parts = split_batch(batch, count)
+            if count == 1:
+                yield tree.map_structure(tf.convert_to_tensor, parts[0])
+                continue
+            yield self._engine.tf_strategy.experimental_distribute_values_from_function(
+                lambda ctx, parts=parts: tree.map_structure(
+                    tf.convert_to_tensor, parts[ctx.replica_id_in_sync_group]
+                )
+            )

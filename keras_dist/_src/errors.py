@@ -1,0 +1,21 @@
+"""Typed errors raised by keras_dist, each with what went wrong and what to do."""
+
+
+class KerasDistError(RuntimeError):
+    """Base class of every error keras_dist raises on purpose."""
+
+
+class DevicesAlreadyInitializedError(KerasDistError):
+    """Simulated devices were requested after the backend had started."""
+
+
+class UnsupportedBackendError(KerasDistError, NotImplementedError):
+    """The strategy cannot run under the active Keras backend."""
+
+
+class StrategyMixingError(KerasDistError, ValueError):
+    """Two different strategies were mixed (nested scopes, foreign model)."""
+
+
+class VariablesOutsideScopeError(KerasDistError, ValueError):
+    """A model's variables were created outside the strategy's scope."""

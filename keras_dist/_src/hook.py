@@ -1,0 +1,92 @@
+"""The one place where keras_dist meets the Keras trainer.
+
+Keras has no per-model extension point that fires when a model is compiled,
+so keras_dist wraps `keras.src.trainers.trainer.Trainer.compile` once (when
+the first strategy is created). The wrapper calls Keras's own `compile` and,
+only when a keras_dist scope is active, attaches the model to that strategy:
+
+* the backend engine validates the model's variables and replaces the
+  model's step functions with replicated ones (``Engine.attach``);
+* the model's own ``fit``/``evaluate``/``predict``/``*_on_batch`` are
+  wrapped (on the instance, not the class) so that they run inside the
+  strategy's scope, where the backend's distribution state is active.
+
+Models compiled outside every scope are not touched. If a Keras release moves
+`Trainer.compile`, this file is the one that breaks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_WRAPPED_METHODS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+_installed = False
+STRATEGY_ATTR = "_keras_dist_strategy"
+
+
+def install() -> None:
+    """Wraps `Trainer.compile` once; idempotent."""
+    global _installed
+    if _installed:
+        return
+    from keras.src.trainers.trainer import Trainer
+
+    original = Trainer.compile
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        from keras_dist._src.strategy import current_strategy
+
+        strategy = current_strategy()
+        if strategy is not None:
+            attach(self, strategy)
+        return result
+
+    compile.__keras_dist_original__ = original
+    Trainer.compile = compile
+    _installed = True
+
+
+def strategy_of(model):
+    """Returns the strategy `model` is attached to, or None."""
+    return model.__dict__.get(STRATEGY_ATTR)
+
+
+def attach(model, strategy) -> None:
+    """Makes `model` train replicated under `strategy`.
+
+    Raises:
+        StrategyMixingError: if `model` is attached to another strategy.
+    """
+    from keras_dist._src.errors import StrategyMixingError
+
+    previous = strategy_of(model)
+    if previous is not None and previous is not strategy:
+        raise StrategyMixingError(
+            f"Model {model.name!r} was compiled under {previous!r} and cannot "
+            f"be re-compiled under {strategy!r}. Build a new model inside "
+            "the new strategy's scope."
+        )
+    strategy.extended.attach(model)
+    model.__dict__[STRATEGY_ATTR] = strategy
+    for name in _WRAPPED_METHODS:
+        bound = getattr(type(model), name).__get__(model)
+        model.__dict__[name] = _in_scope(bound, strategy)
+
+
+def _in_scope(method, strategy):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with strategy._call_scope():
+            return method(*args, **kwargs)
+
+    wrapper.__keras_dist_wrapped__ = True
+    return wrapper

@@ -1,0 +1,176 @@
+"""The backend-agnostic `Strategy` front end: scope, run, reduce, gather."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Sequence
+
+from keras_dist._src import backend as backend_lib
+from keras_dist._src import hook
+from keras_dist._src.devices import check_devices_exist
+from keras_dist._src.errors import StrategyMixingError
+from keras_dist._src.values import ReduceOp
+
+_state = threading.local()
+
+
+def _stack() -> list:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+class Strategy:
+    """Distributes a Keras model's training over several devices.
+
+    Build and compile the model inside `scope()`; `fit`, `evaluate` and
+    `predict` then run replicated, with `batch_size` meaning the global batch
+    split across `num_replicas_in_sync` replicas.
+
+    Args:
+        devices: device names such as ``["gpu:0", "gpu:1"]``.
+        sync_batch_norm: whether BatchNormalization uses the statistics of
+            the global batch (default, so results match one device) or of each
+            replica's shard.
+    """
+
+    def __init__(self, devices: Sequence[str], sync_batch_norm: bool = True):
+        module = backend_lib.get()
+        available = module.list_devices()
+        self._devices = tuple(check_devices_exist(devices, available))
+        self._sync_batch_norm = bool(sync_batch_norm)
+        self._engine = module.create_engine(
+            self._devices, sync_batch_norm=self._sync_batch_norm
+        )
+        hook.install()
+
+    # -- properties ---------------------------------------------------------
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices replicas run on, as ``"type:index"`` names."""
+        return self._devices
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each step."""
+        return self._engine.num_replicas_in_sync
+
+    @property
+    def extended(self):
+        """The backend engine (a `tf.distribute.Strategy` on TensorFlow is
+        reachable as ``extended.tf_strategy``). For advanced use only."""
+        return self._engine
+
+    # -- scope --------------------------------------------------------------
+    def scope(self):
+        """Context in which models and variables are created mirrored.
+
+        Models compiled inside it train replicated. Re-entering the same
+        strategy is allowed; nesting a different one raises.
+
+        Raises:
+            StrategyMixingError: when another strategy's scope is active.
+        """
+        return self._scope(self._engine.scope)
+
+    def _call_scope(self):
+        """Context around `fit`/`evaluate`/`predict` of an attached model."""
+        return self._scope(self._engine.call_scope)
+
+    @contextlib.contextmanager
+    def _scope(self, engine_scope):
+        stack = _stack()
+        if stack and stack[-1] is not self:
+            raise StrategyMixingError(
+                f"Cannot enter the scope of {self!r} inside the scope of "
+                f"{stack[-1]!r}: different strategies cannot be nested. Exit "
+                "the outer `with strategy.scope():` block first."
+            )
+        stack.append(self)
+        try:
+            with engine_scope():
+                yield self
+        finally:
+            stack.pop()
+
+    # -- replica computation -----------------------------------------------
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None):
+        """Runs `fn(*args, **kwargs)` once on every replica.
+
+        Per-replica arguments (from `distribute_dataset` or a previous `run`)
+        are split so that each replica gets its own part; other arguments are
+        passed to every replica as they are.
+
+        Returns:
+            Per-replica results (a `PerReplica`, or the backend's own type on
+            TensorFlow), or plain values with a single replica.
+        """
+        with self.scope():
+            return self._engine.run(fn, tuple(args), dict(kwargs or {}))
+
+    def reduce(self, op, value, axis: int | None = None):
+        """Combines per-replica `value` across replicas with `op`.
+
+        Args:
+            op: `ReduceOp.SUM` or `ReduceOp.MEAN` (or ``"sum"``/``"mean"``).
+            value: per-replica value, e.g. the result of `run`.
+            axis: if given, also reduce along this axis of every per-replica
+                part (e.g. ``axis=0`` for a mean over all samples).
+        """
+        return self._engine.reduce(ReduceOp.from_any(op), value, axis)
+
+    def gather(self, value, axis: int = 0):
+        """Concatenates the per-replica parts of `value` along `axis`."""
+        return self._engine.gather(value, axis)
+
+    def distribute_dataset(self, dataset):
+        """Returns `dataset` as an iterable of per-replica batches.
+
+        Each global batch of `dataset` is split along its first axis across
+        replicas, every sample going to exactly one replica.
+        """
+        return self._engine.distribute_dataset(dataset)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Alias of `distribute_dataset`, named as in `tf.distribute`."""
+        del options
+        return self.distribute_dataset(dataset)
+
+    def experimental_local_results(self, value) -> tuple:
+        """Returns the per-replica parts of `value` as a tuple."""
+        return self._engine.local_results(value)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(devices={list(self._devices)})"
+
+
+def get_strategy() -> Strategy:
+    """Returns the strategy whose scope is active, or the default strategy.
+
+    Outside every scope the default is a `OneDeviceStrategy` on the first
+    device (created once).
+    """
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    default = getattr(_state, "default", None)
+    if default is None:
+        from keras_dist._src.strategies import OneDeviceStrategy
+
+        default = OneDeviceStrategy()
+        _state.default = default
+    return default
+
+
+def has_strategy() -> bool:
+    """Returns whether a keras_dist strategy scope is active."""
+    return bool(_stack())
+
+
+def current_strategy() -> Strategy | None:
+    """Returns the active strategy, or None outside every scope."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
