@@ -14,6 +14,7 @@ Keras's synchronized (cross-replica) statistics.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import keras
@@ -196,7 +197,7 @@ class MirroredEngine(_EngineBase):
                 )
         for layer in model._flatten_layers(include_self=False):
             if isinstance(layer, keras.layers.BatchNormalization):
-                layer.synchronized = self.sync_batch_norm
+                _set_batch_norm_sync(layer, self.sync_batch_norm)
         self._install_steps(model)
 
     def _install_steps(self, model) -> None:
@@ -298,13 +299,38 @@ def _exact_step(engine, model, data, training):
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(
         data
     )
+    # Replicas can get shards of different sizes (the last batch of an
+    # epoch), so every replica traces with an unknown batch size.
+    x, y, sample_weight = tree.map_structure(
+        _unknown_batch_size, (x, y, sample_weight)
+    )
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
     first = next(i for i in tree.flatten(x) if i is not None)
     local_count = tf.shape(first)[0]
     local = tf.cast(local_count, "float32")
     global_count = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    share = tf.math.divide_no_nan(local * replicas, global_count)
+
+    # tf.distribute hands an empty shard to some replicas when a batch has
+    # fewer samples than replicas; with cross-replica BatchNormalization
+    # collectives that aborts the step (collective shape mismatch). Such a
+    # replica gets one zero sample of weight 0 instead, masked out of the
+    # loss, the metrics and the BatchNormalization statistics.
+    padding = tf.cast(tf.equal(local_count, 0), "int32")
+    valid = tf.concat(
+        [tf.ones([local_count]), tf.zeros([padding])], axis=0
+    )
+    unpadded = (x, y, sample_weight)
+    x, y = tree.map_structure(lambda t: _pad_rows(t, padding), (x, y))
+    if sample_weight is None:
+        sample_weight = valid
+    else:
+        sample_weight = tree.map_structure(
+            lambda t: _pad_rows(t, padding), sample_weight
+        )
+    padded = tf.cast(local_count + padding, "float32")
+    share = tf.math.divide_no_nan(padded * replicas, global_count)
+    _REPLICA.valid = valid
 
     with tf.GradientTape() as tape:
         kwargs = {"training": training} if model._call_has_training_arg else {}
@@ -330,6 +356,7 @@ def _exact_step(engine, model, data, training):
         if training and model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
 
+    _REPLICA.valid = None
     if training:
         if model.trainable_weights:
             weights = model.trainable_weights
@@ -337,7 +364,109 @@ def _exact_step(engine, model, data, training):
             model.optimizer.apply_gradients(zip(gradients, weights))
         else:
             warnings.warn("The model does not have any trainable weights.")
+    # Metrics see the real samples only (unweighted metrics ignore weights).
+    x, y, sample_weight = unpadded
+    y_pred = tree.map_structure(lambda t: t[:local_count], y_pred)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _set_batch_norm_sync(layer, sync: bool) -> None:
+    """Gives `layer` global-batch (or per-replica) moments in training.
+
+    Keras's own ``synchronized=True`` path fails with shards of unequal or
+    zero size (a collective shape mismatch in the backward pass, seen with
+    Keras 3.15 and TF 2.21), and computes the variance as E[x^2] - E[x]^2.
+    This replacement all-reduces sums and counts (so shards of any size,
+    including empty ones, are weighted exactly), takes the variance in a
+    second pass around the global mean, and defines the gradient of each
+    all-reduce explicitly, so every replica runs the same collectives.
+    """
+    layer.synchronized = False
+    if not sync:
+        layer.__dict__.pop("_moments", None)
+        return
+    original = type(layer)._moments.__get__(layer)
+
+    def moments(inputs, mask):
+        context = tf.distribute.get_replica_context()
+        if (
+            mask is not None
+            or context is None
+            or context.num_replicas_in_sync == 1
+        ):
+            return original(inputs, mask)
+        valid = getattr(_REPLICA, "valid", None)
+        return _global_moments(
+            context, inputs, layer._reduction_axes, valid
+        )
+
+    layer.__dict__["_moments"] = moments
+
+
+def _global_moments(context, inputs, axes, valid):
+    """Count-weighted mean and variance over all replicas' samples."""
+    dtype = inputs.dtype
+    x = tf.cast(inputs, "float32")
+    weight = tf.ones_like(x)
+    if valid is not None:
+        rank = x.shape.rank
+        weight *= tf.reshape(valid, [-1] + [1] * (rank - 1))
+    sums = tf.stack(
+        [
+            tf.reduce_sum(x * weight, axis=axes),
+            tf.reduce_sum(weight, axis=axes),
+        ]
+    )
+    total = _all_reduce_sum(context, sums)
+    count = total[1]
+    mean = tf.math.divide_no_nan(total[0], count)
+    centered = tf.reduce_sum(
+        weight * tf.square(x - _keep_dims(mean, axes, x.shape.rank)),
+        axis=axes,
+    )
+    variance = tf.math.divide_no_nan(
+        _all_reduce_sum(context, centered), count
+    )
+    return tf.cast(mean, dtype), tf.cast(variance, dtype)
+
+
+def _keep_dims(value, axes, rank):
+    axes = sorted(a % rank for a in axes)
+    for axis in axes:
+        value = tf.expand_dims(value, axis)
+    return value
+
+
+def _all_reduce_sum(context, value):
+    """All-reduce (SUM) whose gradient is the all-reduced upstream gradient."""
+
+    @tf.custom_gradient
+    def reduce(local):
+        def grad(upstream):
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
+
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, local), grad
+
+    return reduce(value)
+
+
+_REPLICA = threading.local()
+
+
+def _pad_rows(tensor, count):
+    if tensor is None:
+        return None
+    zeros = tf.zeros(
+        tf.concat([[count], tf.shape(tensor)[1:]], axis=0), tensor.dtype
+    )
+    return tf.concat([tensor, zeros], axis=0)
+
+
+def _unknown_batch_size(tensor):
+    if not isinstance(tensor, tf.Tensor) or tensor.shape.rank in (None, 0):
+        return tensor
+    shape = [None] + tensor.shape.as_list()[1:]
+    return tf.compat.v1.placeholder_with_default(tensor, shape=shape)
 
 
 def _check_mean_reductions(model):

@@ -1,0 +1,319 @@
+"""Starting and supervising one process per device on this host.
+
+Backend-neutral building blocks: pick a free port, build the command that
+re-runs the current program, start the other ranks with the environment
+variables torch.distributed (``env://``) and most launchers understand, and
+watch them. The process that runs the user's script becomes rank 0; it
+supervises its children, and each child exits when its parent dies.
+
+Failures travel through a key/value store (for torch, a ``TCPStore`` client
+to the rendezvous store): the first rank that fails writes
+``"rank R: Type: message"`` under `ERROR_KEY`; every rank's watchdog polls
+that key and stops its process with a message naming the failing rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ERROR_KEY = "keras_dist/error"
+ENV_LAUNCHED = "KERAS_DIST_LAUNCHED"
+ENV_NO_LAUNCH = "KERAS_DIST_NO_LAUNCH"
+POLL_SECONDS = 0.5
+EXIT_CODE = 1
+
+
+def log(message: str) -> None:
+    """Writes `message` to stderr, prefixed with keras_dist, and flushes."""
+    sys.stderr.write(f"keras_dist: {message}\n")
+    sys.stderr.flush()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port that is free on `host` right now.
+
+    Binds port 0 so that the OS picks; never a fixed port, so that several
+    jobs (and parallel tests) on one host do not collide.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def env_rank() -> tuple[int, int, int] | None:
+    """Returns ``(rank, world_size, local_rank)`` set by a launcher, or None.
+
+    Recognises torchrun and keras_dist's own launcher (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+    """
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(os.environ.get(k) for k in needed):
+        return None
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return rank, world, local
+
+
+def relaunch_command() -> list[str]:
+    """Returns the command line that re-runs the current program.
+
+    Uses ``sys.orig_argv`` (so ``python -m pkg.module args`` and interpreter
+    flags are kept) with ``sys.executable`` as the interpreter.
+
+    Raises:
+        RuntimeError: when the program cannot be re-run (an interactive
+            session, a notebook or pytest).
+    """
+    main = sys.modules.get("__main__")
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv)
+    interactive = hasattr(sys, "ps1") or not getattr(main, "__file__", None)
+    script = os.path.basename(sys.argv[0] if sys.argv else "")
+    under_pytest = script.startswith(("pytest", "py.test")) or (
+        "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["pytest"]
+    )
+    if interactive or under_pytest or os.environ.get(ENV_NO_LAUNCH):
+        where = "pytest" if under_pytest else "an interactive session"
+        if os.environ.get(ENV_NO_LAUNCH):
+            where = f"a process with {ENV_NO_LAUNCH} set"
+        raise RuntimeError(
+            f"keras_dist would start one process per device by re-running "
+            f"this program, but it runs in {where}, which cannot be "
+            "re-run. Put the training code in a script and run it with "
+            "`python train.py` (keras_dist starts the other processes) or "
+            "`torchrun --nproc_per_node=N train.py`."
+        )
+    return [sys.executable] + argv[1:]
+
+
+def child_env(
+    rank: int, world_size: int, port: int, extra: dict | None = None
+) -> dict:
+    """Returns the environment of the child process of `rank`."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **{ENV_LAUNCHED: str(os.getpid())},
+    )
+    env.update(extra or {})
+    return env
+
+
+def _set_parent_death_signal() -> None:
+    """Linux only: the child gets SIGKILL when its parent dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort; the watchdog remains.
+        pass
+
+
+def spawn(command: list[str], env: dict) -> subprocess.Popen:
+    """Starts one child process running `command` in `env`."""
+    preexec = _set_parent_death_signal if sys.platform == "linux" else None
+    return subprocess.Popen(command, env=env, preexec_fn=preexec)
+
+
+def describe_exit(returncode: int) -> str:
+    """Returns ``"exited with code 3"`` or ``"was killed by SIGKILL"``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class Supervisor:
+    """Rank 0's watch over the child processes it started.
+
+    A child that ends with a non-zero code (or a signal) while rank 0 still
+    runs is a failure of that rank: the supervisor reports it through
+    `report` (so that the other ranks stop), terminates the remaining
+    children and ends rank 0 with a non-zero exit code. At a normal exit of
+    rank 0 it waits for the children and exits non-zero if one failed.
+
+    Args:
+        children: ``{rank: Popen}`` of the started processes.
+        report: called with an error line before stopping; may be None.
+        exit_timeout: seconds to wait for children at a normal exit.
+    """
+
+    def __init__(self, children: dict, report=None, exit_timeout=60.0):
+        self.children = dict(children)
+        self.report = report
+        self.exit_timeout = exit_timeout
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="keras_dist-supervisor", daemon=True
+        )
+
+    def start(self) -> Supervisor:
+        """Starts the watch thread and the exit handler; returns self."""
+        self._thread.start()
+        atexit.register(self.wait_at_exit)
+        return self
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            for rank, proc in self.children.items():
+                code = proc.poll()
+                if code is not None and code != 0:
+                    self.fail(f"rank {rank} {describe_exit(code)}")
+                    return
+            time.sleep(POLL_SECONDS)
+
+    def terminate_children(self, grace: float = 5.0) -> None:
+        """Sends SIGTERM to live children, then SIGKILL after `grace` s."""
+        live = [p for p in self.children.values() if p.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + grace
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def fail(self, message: str) -> None:
+        """Reports `message`, stops every child and ends this process."""
+        self._stopping.set()
+        first = message
+        if self.report is not None:
+            try:
+                first = self.report(message) or message
+            except Exception:  # noqa: BLE001 - the store may be gone.
+                pass
+        log(f"stopping all ranks: {first}")
+        self.terminate_children()
+        os._exit(EXIT_CODE)
+
+    def wait_at_exit(self) -> None:
+        """Waits for the children at rank 0's exit; kills stragglers."""
+        self._stopping.set()
+        deadline = time.monotonic() + self.exit_timeout
+        failed = []
+        for rank, proc in self.children.items():
+            try:
+                code = proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log(
+                    f"rank {rank} did not finish within "
+                    f"{self.exit_timeout:.0f} s of rank 0; stopping it."
+                )
+                code = None
+            if code != 0:
+                failed.append(rank)
+        self.terminate_children()
+        if failed:
+            codes = ", ".join(
+                f"rank {r} {describe_exit(self.children[r].returncode)}"
+                for r in failed
+            )
+            log(f"training failed on other ranks: {codes}")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(EXIT_CODE)
+
+
+def start_workers(world_size: int, port: int, extra_env=None) -> dict:
+    """Starts ranks 1..world_size-1 re-running this program.
+
+    Returns:
+        ``{rank: Popen}`` of the children.
+    """
+    command = relaunch_command()
+    children = {}
+    try:
+        for rank in range(1, world_size):
+            env = child_env(rank, world_size, port, extra_env)
+            children[rank] = spawn(command, env)
+    except BaseException:
+        for proc in children.values():
+            proc.kill()
+        raise
+    return children
+
+
+class Watchdog:
+    """Stops this process when another rank fails or the launcher dies.
+
+    Polls, every `POLL_SECONDS`: the parent process id (a changed one means
+    the launcher died), and `check_error()` (returns the first failure
+    reported by any rank, or None; raising means the store is gone, i.e.
+    rank 0 died). On a failure it runs `on_stop` (e.g. stop child
+    processes), prints the failing rank's error and ``os._exit``\\ s.
+
+    Args:
+        rank: this process's rank (for messages).
+        check_error: returns a reported failure line or None.
+        watch_parent: whether a change of parent ends this process.
+        on_stop: optional callable run before exiting.
+    """
+
+    def __init__(self, rank, check_error, watch_parent, on_stop=None):
+        self.rank = rank
+        self.check_error = check_error
+        self.watch_parent = watch_parent
+        self.on_stop = on_stop
+        self.parent = os.getppid()
+        self.stopped = threading.Event()
+        self.muted = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="keras_dist-watchdog", daemon=True
+        )
+
+    def start(self) -> Watchdog:
+        """Starts the watch thread; returns self."""
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        store_failures = 0
+        while not self.stopped.is_set():
+            time.sleep(POLL_SECONDS)
+            if self.watch_parent and os.getppid() != self.parent:
+                self._stop("the launcher process (rank 0) died")
+            try:
+                error = self.check_error()
+                store_failures = 0
+            except Exception:  # noqa: BLE001 - store unreachable.
+                if self.muted.is_set():
+                    return
+                store_failures += 1
+                if store_failures >= 4:
+                    self._stop(
+                        "lost contact with rank 0 (its rendezvous store is "
+                        "gone, so rank 0 died or exited)"
+                    )
+                continue
+            if error and not error.startswith(f"rank {self.rank}:"):
+                self._stop(error)
+
+    def _stop(self, reason: str) -> None:
+        if self.muted.is_set():
+            return
+        log(f"rank {self.rank} stopping because {reason}")
+        if self.on_stop is not None:
+            try:
+                self.on_stop(reason)
+            except Exception:  # noqa: BLE001
+                pass
+        sys.stdout.flush()
+        os._exit(EXIT_CODE)

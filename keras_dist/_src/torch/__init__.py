@@ -1,0 +1,1 @@
+"""Torch-specific pieces of keras_dist (replicated steps, rank gating)."""

@@ -1,0 +1,492 @@
+"""Replicated train/test/predict steps of one Keras model on torch.
+
+Every rank receives the same global batch from Keras's torch trainer and
+keeps its contiguous shard (`numpy.array_split` order). Training runs the
+model through `torch.nn.parallel.DistributedDataParallel`, so gradients are
+averaged by DDP's bucketed all-reduce, overlapped with the backward pass.
+Each rank's local mean loss is multiplied by ``n_local * world / n_global``
+first, which turns DDP's average into the gradient of the global-batch mean
+(also when shards differ in size or are empty).
+
+Metric state is made exact by all-reducing, in one collective, how much
+each rank's metric variables changed during the step (numerators and
+denominators add up), so logs equal single-device ones on every rank.
+BatchNormalization layers compute global moments from all-reduced sums and
+counts (differentiable, like `torch.nn.SyncBatchNorm`) unless the strategy
+has ``sync_batch_norm=False``, in which case rank 0's moving statistics are
+broadcast after each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import keras
+import torch
+import torch.distributed as dist
+from keras import tree
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_dist._src.errors import VariablesOutsideScopeError
+
+_CHIEF_ONLY = (
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.ProgbarLogger,
+)
+ALL_RANKS_ATTR = "_keras_dist_all_ranks"
+
+
+# -- call scope helpers -------------------------------------------------------
+def sync_shuffle_seed(engine) -> None:
+    """Seeds torch's global generator with a seed drawn on rank 0.
+
+    Keras's torch data loader shuffles with torch's global generator, so
+    this makes every rank shuffle (and so batch) the data identically.
+    """
+    seed = torch.zeros(1, dtype=torch.int64, device=engine.device)
+    if engine.is_chief:
+        seed[0] = int(torch.randint(0, 2**62, (1,)).item())
+    dist.broadcast(seed, 0, group=engine.aux_group)
+    torch.manual_seed(int(seed.item()))
+
+
+def _gate(callbacks) -> list:
+    kept = []
+    for callback in callbacks:
+        if getattr(callback, ALL_RANKS_ATTR, False):
+            kept.append(callback)
+        elif isinstance(callback, keras.callbacks.BackupAndRestore):
+            # Other ranks restore from the same backup but never write it.
+            callback._save_model = lambda *a, **k: None
+            callback.on_train_end = lambda *a, **k: None
+            kept.append(callback)
+        elif not isinstance(callback, _CHIEF_ONLY):
+            kept.append(callback)
+    return kept
+
+
+@contextlib.contextmanager
+def rank_gated_callbacks(engine):
+    """On ranks other than 0: no progress bar, no file-writing callbacks.
+
+    Keras's trainer builds its `CallbackList` inside `fit`/`evaluate`/
+    `predict`; while this context is active on a non-chief rank the list it
+    builds drops the progress bar, `ModelCheckpoint`, `CSVLogger` and
+    `TensorBoard`, and makes `BackupAndRestore` read-only. A callback with
+    ``_keras_dist_all_ranks = True`` is kept everywhere.
+    """
+    from keras.src import callbacks as callbacks_module
+
+    original = callbacks_module.CallbackList
+    if engine.is_chief or getattr(original, "_keras_dist_gated", False):
+        yield
+        return
+
+    class CallbackList(original):
+        _keras_dist_gated = True
+
+        def __init__(
+            self,
+            callbacks=None,
+            add_history=False,
+            add_progbar=False,
+            model=None,
+            **params,
+        ):
+            del add_progbar
+            if isinstance(callbacks, original):
+                callbacks = callbacks.callbacks
+            callbacks = _gate(tree.flatten(callbacks) if callbacks else [])
+            super().__init__(
+                callbacks,
+                add_history=add_history,
+                add_progbar=False,
+                model=model,
+                **params,
+            )
+
+    callbacks_module.CallbackList = CallbackList
+    try:
+        yield
+    finally:
+        callbacks_module.CallbackList = original
+
+
+def check_variables(engine, model) -> None:
+    """Raises if a variable is not on this rank's device."""
+    if engine.device.type != "cuda":
+        return
+    for variable in model.variables:
+        device = variable.value.device
+        if device != engine.device:
+            raise VariablesOutsideScopeError(
+                f"Variable {variable.path!r} of model {model.name!r} lives "
+                f"on {device}, not on this rank's {engine.device}: it was "
+                "created before the strategy. Create the strategy first and "
+                "build the model inside `with strategy.scope():`."
+            )
+
+
+# -- state broadcast and metric all-reduce ------------------------------------
+def _flat_groups(tensors):
+    groups = {}
+    for t in tensors:
+        key = t.dtype if t.dtype.is_floating_point else torch.int64
+        groups.setdefault(key, []).append(t)
+    return groups
+
+
+def broadcast_from_chief(engine, variables) -> None:
+    """Overwrites `variables` with rank 0's values (one collective/dtype)."""
+    tensors = [v.value for v in variables]
+    with torch.no_grad():
+        for dtype, group in _flat_groups(tensors).items():
+            flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in group])
+            dist.broadcast(flat, 0, group=engine.aux_group)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
+                offset += n
+
+
+def _metric_snapshot(variables):
+    if not variables:
+        return None
+    with torch.no_grad():
+        return torch.cat(
+            [v.value.detach().reshape(-1).to(torch.float64) for v in variables]
+        )
+
+
+def all_reduce_metric_deltas(engine, variables, before) -> None:
+    """Adds up, across ranks, each metric variable's change since `before`."""
+    if before is None:
+        return
+    with torch.no_grad():
+        after = _metric_snapshot(variables)
+        delta = after - before
+        dist.all_reduce(delta, group=engine.aux_group)
+        total = before + delta
+        offset = 0
+        for v in variables:
+            t = v.value
+            n = t.numel()
+            t.copy_(total[offset : offset + n].view_as(t).to(t.dtype))
+            offset += n
+
+
+# -- synchronised BatchNormalization -------------------------------------------
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over ranks (its gradient is summed too)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sync_moments(engine, layer, original):
+    def moments(inputs, mask):
+        if not engine.bn_sync_active or mask is not None:
+            return original(inputs, mask)
+        axes = list(layer._reduction_axes)
+        x = inputs
+        low = x.dtype in (torch.float16, torch.bfloat16)
+        if low:
+            x = x.float()
+        count = 1
+        for a in axes:
+            count *= x.shape[a]
+        local_sum = torch.sum(x, dim=axes)
+        local_sq = torch.sum(torch.square(x), dim=axes)
+        packed = torch.cat(
+            [
+                local_sum.reshape(-1),
+                local_sq.reshape(-1),
+                x.new_tensor([float(count)]),
+            ]
+        )
+        packed = _AllReduceSum.apply(packed, engine.aux_group)
+        c = local_sum.numel()
+        n = packed[-1].clamp_min(1.0)
+        mean = (packed[:c] / n).reshape(local_sum.shape)
+        variance = (packed[c : 2 * c] / n).reshape(local_sum.shape)
+        variance = variance - torch.square(mean)
+        if low:
+            mean, variance = mean.to(inputs.dtype), variance.to(inputs.dtype)
+        return mean, variance
+
+    return moments
+
+
+# -- the step functions -------------------------------------------------------
+def _first_leaf(x):
+    return next(t for t in tree.flatten(x) if t is not None)
+
+
+def _slice(structure, start, stop):
+    return tree.map_structure(
+        lambda t: None if t is None else t[start:stop],
+        structure,
+        none_is_leaf=True,
+    )
+
+
+class StepFunctions:
+    """Installs the replicated step functions on one model.
+
+    Args:
+        engine: the rank's `MirroredEngine`.
+        model: the Keras model compiled in the strategy's scope.
+    """
+
+    def __init__(self, engine, model):
+        self.engine = engine
+        self.model = model
+        self.ddp = None
+        self._synced = set()
+
+    def install(self) -> None:
+        """Replaces the model's step-function factories (on the instance)."""
+        model = self.model
+        engine = self.engine
+        engine.bn_sync_active = False
+        from keras.src.backend.torch.trainer import TorchTrainer
+
+        cls = type(model)
+        if (
+            cls.train_step is not TorchTrainer.train_step
+            or cls.test_step is not TorchTrainer.test_step
+        ):
+            warnings.warn(
+                f"Model {model.name!r} overrides train_step or test_step; "
+                "keras_dist's replicated torch step does not call them (it "
+                "calls the model, `compute_loss` and `compute_metrics`). "
+                "Move custom logic into `compute_loss`/`call`.",
+                stacklevel=3,
+            )
+        if engine.sync_batch_norm:
+            for layer in model._flatten_layers(include_self=False):
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    original = type(layer)._moments.__get__(layer)
+                    layer.__dict__["_moments"] = _sync_moments(
+                        engine, layer, original
+                    )
+        model.__dict__["make_train_function"] = self.make_train_function
+        model.__dict__["make_test_function"] = self.make_test_function
+        model.__dict__["make_predict_function"] = self.make_predict_function
+        model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+        if model.built:
+            self.sync_state()
+
+    # -- state ----------------------------------------------------------------
+    def _state_variables(self):
+        model = self.model
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+        seen, unique = set(), []
+        for v in variables:
+            if id(v) in seen or "seed_generator" in v.path:
+                continue
+            seen.add(id(v))
+            unique.append(v)
+        return unique
+
+    def sync_state(self) -> None:
+        """Broadcasts variables rank 0 has and this rank has not synced."""
+        variables = self._state_variables()
+        if all(id(v) in self._synced for v in variables):
+            return
+        broadcast_from_chief(self.engine, variables)
+        self._synced = {id(v) for v in variables}
+
+    def _check_steps_per_execution(self):
+        if self.model.steps_per_execution > 1:
+            raise ValueError(
+                "`steps_per_execution` must be 1 with the PyTorch backend; "
+                f"got {self.model.steps_per_execution}. Compile with "
+                "steps_per_execution=1."
+            )
+
+    def _shard(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        from keras_dist._src.backend.torch_backend import shard_bounds
+
+        total = int(_first_leaf(x).shape[0])
+        start, stop = shard_bounds(
+            total, self.engine.rank, self.engine.world_size
+        )
+        x, y, sample_weight = _slice((x, y, sample_weight), start, stop)
+        return x, y, sample_weight, stop - start, total
+
+    def _call(self, module, x, training):
+        if self.model._call_has_training_arg:
+            return module(x, training=training)
+        return module(x)
+
+    # -- train ----------------------------------------------------------------
+    def make_train_function(self, force=False):
+        """Builds the replicated train function (DDP over the model)."""
+        model = self.model
+        if model.train_function is not None and not force:
+            return model.train_function
+        self._check_steps_per_execution()
+        self.sync_state()
+        self.ddp = None
+        if any(v.trainable for v in model.trainable_weights):
+            device_ids = None
+            if self.engine.device.type == "cuda":
+                device_ids = [self.engine.device.index]
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                model,
+                device_ids=device_ids,
+                init_sync=False,
+            )
+
+        def one_step_on_data(data):
+            return self.train_step(data[0])
+
+        model.train_function = one_step_on_data
+        return model.train_function
+
+    def train_step(self, data):
+        """One exact step of this rank on its shard of the global batch."""
+        model, engine = self.model, self.engine
+        x, y, sample_weight, n_local, n_global = self._shard(data)
+        metric_vars = list(model.metrics_variables)
+        before = _metric_snapshot(metric_vars)
+        model.zero_grad()
+        module = self.ddp if self.ddp is not None else model
+        engine.bn_sync_active = True
+        try:
+            y_pred = self._call(module, x, training=True)
+        finally:
+            engine.bn_sync_active = False
+        if n_local > 0:
+            loss = model._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+            model._loss_tracker.update_state(
+                loss.detach(), sample_weight=n_local
+            )
+            share = n_local * engine.world_size / n_global
+            scaled = loss * share
+        else:
+            # Still take part in DDP's all-reduce, with zero gradients.
+            scaled = sum(
+                t.sum() * 0.0 for t in tree.flatten(y_pred) if t is not None
+            )
+        if model.optimizer is not None:
+            scaled = model.optimizer.scale_loss(scaled)
+        if model.trainable_weights:
+            if self.ddp is not None:
+                scaled.backward()
+            weights = model.trainable_weights[:]
+            gradients = [v.value.grad for v in weights]
+            with torch.no_grad():
+                model.optimizer.apply(gradients, weights)
+        else:
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
+        if not engine.sync_batch_norm:
+            self._broadcast_moving_statistics()
+        if n_local > 0:
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        all_reduce_metric_deltas(engine, metric_vars, before)
+        return model.get_metrics_result()
+
+    def _broadcast_moving_statistics(self):
+        variables = [
+            v
+            for v in self.model.non_trainable_variables
+            if "seed_generator" not in v.path
+        ]
+        if variables:
+            broadcast_from_chief(self.engine, variables)
+
+    # -- test -----------------------------------------------------------------
+    def make_test_function(self, force=False):
+        """Builds the replicated test function (exact metrics)."""
+        model = self.model
+        if model.test_function is not None and not force:
+            return model.test_function
+        self._check_steps_per_execution()
+        self.sync_state()
+
+        def one_step_on_data(data):
+            with torch.no_grad():
+                return self.test_step(data[0])
+
+        model.test_function = one_step_on_data
+        return model.test_function
+
+    def test_step(self, data):
+        """Evaluates this rank's shard; metric state summed over ranks."""
+        model = self.model
+        x, y, sample_weight, n_local, _ = self._shard(data)
+        metric_vars = list(model.metrics_variables)
+        before = _metric_snapshot(metric_vars)
+        y_pred = self._call(model, x, training=False)
+        if n_local > 0:
+            loss = model._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=False,
+            )
+            model._loss_tracker.update_state(loss, sample_weight=n_local)
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        all_reduce_metric_deltas(self.engine, metric_vars, before)
+        return model.get_metrics_result()
+
+    # -- predict --------------------------------------------------------------
+    def make_predict_function(self, force=False):
+        """Builds the replicated predict function (gathered outputs)."""
+        model = self.model
+        if model.predict_function is not None and not force:
+            return model.predict_function
+        self._check_steps_per_execution()
+        self.sync_state()
+
+        def one_step_on_data(data):
+            with torch.no_grad():
+                return self.predict_step(data[0])
+
+        model.predict_function = one_step_on_data
+        return model.predict_function
+
+    def predict_step(self, data):
+        """Predicts this rank's shard; returns the whole batch's outputs."""
+        from keras_dist._src.backend.torch_backend import all_gather_concat
+
+        x, _, _, _, _ = self._shard(data)
+        y_pred = self._call(self.model, x, training=False)
+        engine = self.engine
+        return tree.map_structure(
+            lambda t: all_gather_concat(
+                t, 0, engine.aux_group, engine.world_size
+            ),
+            y_pred,
+        )

@@ -1,0 +1,53 @@
+"""Test set-up: simulated devices before the backend starts, hygiene checks.
+
+The Keras backend is chosen by ``KERAS_BACKEND`` for the whole run (CI runs
+the suite once per backend). JAX and TensorFlow tests get 4 simulated CPU
+devices, requested here before either backend starts.
+"""
+
+import os
+import threading
+
+import pytest
+
+os.environ.setdefault("KERAS_DIST_CPU_DEVICES", "4")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+
+import keras_dist  # noqa: E402,F401  (applies KERAS_DIST_CPU_DEVICES)
+
+try:  # TensorFlow sets environment variables when first imported (Keras
+    # data adapters import it lazily); import it now so no test "leaks" them.
+    import tensorflow  # noqa: E402,F401
+except ImportError:  # pragma: no cover
+    pass
+
+if keras.backend.backend() in ("jax", "tensorflow"):
+    # Start the backend (and its one-off helper threads) before any test.
+    keras_dist.list_devices()
+
+BACKEND = keras.backend.backend()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(monkeypatch):
+    """Fails a test that leaks environment variables or threads."""
+    env_before = dict(os.environ)
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    changed = {
+        k
+        for k in set(env_before) | set(os.environ)
+        if env_before.get(k) != os.environ.get(k)
+        and k != "PYTEST_CURRENT_TEST"
+    }
+    assert not changed, f"test leaked environment variables: {changed}"
+    leaked = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in threads_before
+        and t.is_alive()
+        and not t.daemon
+    ]
+    assert not leaked, f"test leaked threads: {leaked}"

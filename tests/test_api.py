@@ -1,0 +1,209 @@
+"""The public API: names, registry, device names and clear errors."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras
+import keras_dist
+from keras_dist._src.devices import normalize_device
+from tests.utils import build_model, compile_model, make_data
+
+MULTI = keras.backend.backend() in ("jax", "tensorflow")
+needs_multi = pytest.mark.skipif(
+    not MULTI, reason="needs simulated devices in one process"
+)
+
+
+def test_public_names():
+    for name in keras_dist.__all__:
+        assert getattr(keras_dist, name).__doc__, f"{name} has no docstring"
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("gpu:0", "gpu:0"), ("GPU:1", "gpu:1"), ("/device:CPU:3", "cpu:3"),
+     ("/job:worker/replica:0/task:1/device:GPU:2", "gpu:2")],
+)
+def test_device_names(name, expected):
+    assert normalize_device(name) == expected
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:0", "", "cpu:-1", 3])
+def test_bad_device_names(name):
+    with pytest.raises(ValueError, match="(?i)device"):
+        normalize_device(name)
+
+
+def test_reduce_op_names():
+    assert keras_dist.ReduceOp.from_any("sum") is keras_dist.ReduceOp.SUM
+    assert keras_dist.ReduceOp.from_any("MEAN") is keras_dist.ReduceOp.MEAN
+    with pytest.raises(ValueError, match="ReduceOp"):
+        keras_dist.ReduceOp.from_any("max")
+
+
+def test_registry_and_unknown_name():
+    assert "mirrored" in keras_dist.available_strategies()
+    with pytest.raises(ValueError, match="Known"):
+        keras_dist.strategy_from_name("ring_allreduce")
+
+
+@needs_multi
+def test_registry_aliases_build_strategies():
+    strategy = keras_dist.strategy_from_name("dp", devices=["cpu:0", "cpu:1"])
+    assert isinstance(strategy, keras_dist.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 2
+
+
+@needs_multi
+def test_default_strategy_outside_scope():
+    strategy = keras_dist.get_strategy()
+    assert isinstance(strategy, keras_dist.OneDeviceStrategy)
+    assert strategy.num_replicas_in_sync == 1
+    assert not keras_dist.has_strategy()
+    mirrored = keras_dist.MirroredStrategy()
+    with mirrored.scope():
+        assert keras_dist.get_strategy() is mirrored
+        assert keras_dist.has_strategy()
+    assert keras_dist.get_strategy() is strategy
+
+
+@needs_multi
+def test_simulated_devices_and_default_devices():
+    assert keras_dist.list_devices("cpu") == [f"cpu:{i}" for i in range(4)]
+    assert keras_dist.MirroredStrategy().num_replicas_in_sync == 4
+
+
+@needs_multi
+def test_device_that_does_not_exist():
+    with pytest.raises(ValueError, match=r"cpu:9.*do not exist.*Available"):
+        keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:9"])
+    with pytest.raises(ValueError, match="twice"):
+        keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:0"])
+
+
+@needs_multi
+def test_nested_scopes_of_different_strategies():
+    a = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    b = keras_dist.MirroredStrategy(devices=["cpu:2", "cpu:3"])
+    with a.scope():
+        with a.scope():  # re-entering the same strategy is fine
+            pass
+        with pytest.raises(keras_dist.StrategyMixingError, match="nested"):
+            with b.scope():
+                pass
+    assert not keras_dist.has_strategy()
+
+
+@needs_multi
+def test_model_created_outside_scope_is_refused():
+    model = build_model()
+    strategy = keras_dist.MirroredStrategy()
+    with strategy.scope():
+        with pytest.raises(
+            keras_dist.VariablesOutsideScopeError, match="outside"
+        ):
+            compile_model(model)
+
+
+@needs_multi
+def test_layer_built_outside_scope_is_refused():
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    strategy = keras_dist.MirroredStrategy()
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, dense(inputs))
+        with pytest.raises(keras_dist.VariablesOutsideScopeError):
+            model.compile(optimizer="sgd", loss="mse")
+
+
+@needs_multi
+def test_model_cannot_move_to_another_strategy():
+    a = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with a.scope():
+        model = build_model()
+        compile_model(model)
+    b = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with b.scope():
+        with pytest.raises(
+            (keras_dist.StrategyMixingError,
+             keras_dist.VariablesOutsideScopeError)
+        ):
+            compile_model(model)
+
+
+@needs_multi
+def test_simulated_devices_requested_too_late():
+    keras.ops.zeros((2,)) + 1  # the backend has started
+    with pytest.raises(
+        keras_dist.DevicesAlreadyInitializedError, match="before"
+    ):
+        keras_dist.simulate_cpu_devices(3)
+    keras_dist.simulate_cpu_devices(4)  # what it already has: fine
+    with pytest.raises(ValueError, match="positive"):
+        keras_dist.simulate_cpu_devices(0)
+
+
+@needs_multi
+def test_simulated_devices_from_a_fresh_process(tmp_path):
+    code = (
+        "import keras_dist\n"
+        "keras_dist.simulate_cpu_devices(3)\n"
+        "print(keras_dist.MirroredStrategy().num_replicas_in_sync)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        env=env, timeout=300, check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "3"
+
+
+def test_torch_backend_error_is_clear():
+    if keras.backend.backend() != "torch":
+        pytest.skip("torch only")
+    with pytest.raises(keras_dist.UnsupportedBackendError, match="torch"):
+        keras_dist.MirroredStrategy()
+
+
+@needs_multi
+def test_run_reduce_gather_and_distributed_dataset():
+    strategy = keras_dist.MirroredStrategy()
+    n = strategy.num_replicas_in_sync
+    x = np.arange(10, dtype="float32").reshape(10, 1)
+    batches = [b for b in strategy.distribute_dataset([x[:6], x[6:]])]
+    assert len(batches) == 2
+    seen = []
+    for batch in batches:
+        parts = strategy.experimental_local_results(batch)
+        assert len(parts) == n
+        seen.extend(np.concatenate([np.asarray(p) for p in parts]).ravel())
+        doubled = strategy.run(lambda t: t * 2.0, args=(batch,))
+        total = strategy.reduce("sum", strategy.run(
+            lambda t: keras.ops.sum(t), args=(batch,)), axis=None)
+        np.testing.assert_allclose(
+            float(np.asarray(total)), float(np.sum(batch_values(parts)))
+        )
+        gathered = np.asarray(strategy.gather(doubled, axis=0))
+        np.testing.assert_allclose(gathered, 2 * batch_values(parts))
+        mean = strategy.reduce(keras_dist.ReduceOp.MEAN, batch, axis=0)
+        np.testing.assert_allclose(
+            np.asarray(mean), batch_values(parts).mean(0), rtol=1e-6
+        )
+    assert seen == list(range(10))  # every sample once, in order
+
+
+def batch_values(parts):
+    return np.concatenate([np.asarray(p) for p in parts])
+
+
+@needs_multi
+def test_experimental_alias():
+    strategy = keras_dist.MirroredStrategy()
+    x, _, _ = make_data(8)
+    a = list(strategy.experimental_distribute_dataset([x]))
+    assert len(a) == 1

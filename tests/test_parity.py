@@ -1,0 +1,162 @@
+"""N replicas train, evaluate and predict exactly like one device.
+
+Runs under KERAS_BACKEND=jax and tensorflow with 4 simulated CPU devices
+(the torch backend has its own multi-process tests in tests/torch/).
+"""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_dist
+from tests.utils import (
+    build_model,
+    compile_model,
+    make_data,
+    max_relative_difference,
+)
+
+pytestmark = [
+    pytest.mark.multi_device,
+    pytest.mark.skipif(
+        keras.backend.backend() not in ("jax", "tensorflow"),
+        reason="single-process multi-device backends only",
+    ),
+]
+
+TOLERANCE = 1e-5
+# 90 samples, global batch 16: 6 steps an epoch, the last one of 10 samples
+# (uneven over 4 replicas); 4 epochs = 24 steps. Evaluate and predict use a
+# batch of 7, whose last batch of 6 does not divide among 4 replicas either.
+EPOCHS, BATCH, EVAL_BATCH = 4, 16, 7
+
+
+def _train(model):
+    x, y, sw = make_data()
+    history = model.fit(
+        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS,
+        shuffle=False, verbose=0,
+    )
+    evaluation = model.evaluate(
+        x, y, sample_weight=sw, batch_size=EVAL_BATCH, verbose=0,
+        return_dict=True,
+    )
+    predictions = model.predict(x, batch_size=EVAL_BATCH, verbose=0)
+    return model.get_weights(), history.history, evaluation, predictions
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain Keras on one device: no keras_dist involved."""
+    model = build_model()
+    compile_model(model)
+    return _train(model)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_mirrored_matches_single_device(reference, replicas):
+    strategy = keras_dist.MirroredStrategy(
+        devices=[f"cpu:{i}" for i in range(replicas)]
+    )
+    assert strategy.num_replicas_in_sync == replicas
+    with strategy.scope():
+        model = build_model()
+        compile_model(model)
+    weights, history, evaluation, predictions = _train(model)
+    ref_weights, ref_history, ref_evaluation, ref_predictions = reference
+
+    difference = max_relative_difference(ref_weights, weights)
+    print(f"{replicas} replicas: max relative weight difference {difference}")
+    assert difference <= TOLERANCE
+    for name, values in ref_history.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5)
+    assert evaluation.keys() == ref_evaluation.keys()
+    for name, value in ref_evaluation.items():
+        np.testing.assert_allclose(evaluation[name], value, rtol=1e-5)
+    assert predictions.shape == ref_predictions.shape
+    np.testing.assert_allclose(predictions, ref_predictions, atol=1e-5)
+
+
+def test_batch_smaller_than_replica_count():
+    """Batches of 3 and a last batch of 1 sample on 4 replicas are exact."""
+    x, y, sw = make_data(n=10, seed=1)
+
+    def run(strategy):
+        if strategy is None:
+            model = build_model(seed=3)
+            compile_model(model)
+        else:
+            with strategy.scope():
+                model = build_model(seed=3)
+                compile_model(model)
+        history = model.fit(
+            x, y, sample_weight=sw, batch_size=3, epochs=6, shuffle=False,
+            verbose=0,
+        )
+        evaluation = model.evaluate(x, y, batch_size=3, verbose=0)
+        return model.get_weights(), history.history["loss"], evaluation
+
+    ref = run(None)
+    got = run(keras_dist.MirroredStrategy())
+    assert max_relative_difference(ref[0], got[0]) <= TOLERANCE
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    np.testing.assert_allclose(got[2], ref[2], rtol=1e-5)
+
+
+def test_replicas_hold_identical_variables():
+    strategy = keras_dist.MirroredStrategy()
+    with strategy.scope():
+        model = build_model()
+        compile_model(model)
+    x, y, sw = make_data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    for variable in model.weights:
+        parts = _per_device_values(variable)
+        assert len(parts) == strategy.num_replicas_in_sync
+        for part in parts[1:]:
+            np.testing.assert_array_equal(part, parts[0])
+
+
+def _per_device_values(variable):
+    value = variable.value
+    if keras.backend.backend() == "jax":
+        return [np.asarray(s.data) for s in value.addressable_shards]
+    return [np.asarray(v) for v in value.values]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="per-replica BatchNormalization statistics exist on TF only",
+)
+def test_batch_norm_statistics_global_by_default_per_replica_on_request():
+    x, y, _ = make_data()
+
+    def moving_variance(strategy):
+        if strategy is None:
+            model = build_model()
+            compile_model(model)
+        else:
+            with strategy.scope():
+                model = build_model()
+                compile_model(model)
+        model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+        bn = next(
+            layer for layer in model.layers
+            if isinstance(layer, keras.layers.BatchNormalization)
+        )
+        return np.asarray(bn.moving_variance)
+
+    single = moving_variance(None)
+    synced = moving_variance(keras_dist.MirroredStrategy())
+    local = moving_variance(keras_dist.MirroredStrategy(sync_batch_norm=False))
+    np.testing.assert_allclose(synced, single, rtol=1e-5)
+    # Shard variances leave out the spread between shard means.
+    assert not np.allclose(local, single, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX limitation"
+)
+def test_per_replica_batch_norm_unavailable_on_jax_is_clear():
+    with pytest.raises(keras_dist.UnsupportedBackendError, match="JAX"):
+        keras_dist.MirroredStrategy(sync_batch_norm=False)

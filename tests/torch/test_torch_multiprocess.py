@@ -1,0 +1,223 @@
+"""Real multi-process tests of the torch backend (gloo on localhost).
+
+Each test writes a training script to ``tmp_path`` and runs it with
+``python script.py``: the strategy itself starts the other ranks. Runs only
+under ``KERAS_BACKEND=torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "torch":
+    pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
+
+from keras_dist._src import launch  # noqa: E402
+from keras_dist._src.backend import torch_backend  # noqa: E402
+
+PRELUDE = """
+import json, os, signal, sys
+import numpy as np
+import keras_dist, keras
+"""
+
+TRAIN = """
+n, out = int(sys.argv[1]), sys.argv[2]
+if n > 1:
+    strategy = keras_dist.MirroredStrategy(
+        devices=[f"cpu:{i}" for i in range(n)])
+else:
+    strategy = keras_dist.OneDeviceStrategy()
+rank = int(os.environ.get("RANK", 0))
+keras.utils.set_random_seed(100 + rank)   # ranks seeded differently
+rng = np.random.default_rng(0)
+x = rng.normal(size=(83, 8, 8, 3)).astype("float32")
+y = rng.integers(0, 4, size=(83,))
+
+
+def build():
+    inp = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(4)(h))
+
+
+init_path = os.path.join(os.path.dirname(out), "init.npz")
+with strategy.scope():
+    model = build()
+    if not os.path.exists(init_path):
+        np.savez(init_path, *model.get_weights())
+    elif rank == 0:    # only the chief loads: the others must get a broadcast
+        init = np.load(init_path)
+        model.set_weights([init[f"arr_{i}"] for i in range(len(init.files))])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+csv = keras.callbacks.CSVLogger(f"{out}.log{rank}.csv")
+# 83 samples / 16 = 6 steps per epoch (last one holds 3 samples: fewer than
+# 4 ranks, so one shard is empty); 4 epochs = 24 steps.
+history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False,
+                    verbose=2, callbacks=[csv])
+evaluation = model.evaluate(x, y, batch_size=3, verbose=0, return_dict=True)
+prediction = model.predict(x, batch_size=3, verbose=0)
+np.savez(f"{out}.r{rank}.npz", *model.get_weights())
+np.save(f"{out}.pred{rank}.npy", prediction)
+with open(f"{out}.r{rank}.json", "w") as f:
+    json.dump({"history": history.history, "evaluate": evaluation}, f)
+"""
+
+FAIL = """
+mode, n = sys.argv[1], int(sys.argv[2])
+strategy = keras_dist.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)])
+rank = int(os.environ["RANK"])
+with open(os.path.join(os.path.dirname(__file__), f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+
+
+class Fail(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if rank == 1 and batch == 3:
+            if mode == "raise":
+                raise ValueError("boom at step 3")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+model.fit(np.ones((64, 4)), np.ones((64,)), batch_size=4, epochs=100,
+          verbose=0, callbacks=[Fail()])
+"""
+
+
+def _run(tmp_path, body, args, timeout=180, devices=None):
+    script = tmp_path / "script.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    if devices:
+        env["KERAS_DIST_CPU_DEVICES"] = str(devices)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - start
+
+
+def _max_relative_difference(a, b):
+    worst = 0.0
+    for key in a.files:
+        scale = max(float(np.abs(a[key]).max()), 1e-12)
+        worst = max(worst, float(np.abs(a[key] - b[key]).max()) / scale)
+    return worst
+
+
+# -- unit tests (no processes) -------------------------------------------------
+def test_shard_bounds_match_array_split():
+    for count in (0, 1, 3, 7, 16, 83):
+        for world in (1, 2, 3, 4):
+            expected = np.array_split(np.arange(count), world)
+            for rank in range(world):
+                start, stop = torch_backend.shard_bounds(count, rank, world)
+                np.testing.assert_array_equal(
+                    np.arange(count)[start:stop], expected[rank]
+                )
+
+
+def test_launcher_helpers():
+    port = launch.free_port()
+    assert 0 < port < 65536
+    env = launch.child_env(2, 4, port)
+    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4"
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    assert env["MASTER_PORT"] == str(port)
+    assert launch.describe_exit(-9) == "was killed by SIGKILL"
+    with pytest.raises(RuntimeError, match="torchrun"):
+        launch.relaunch_command()  # pytest cannot be re-run
+
+
+# -- real processes ------------------------------------------------------------
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_parity_with_one_device(tmp_path):
+    single, _ = _run(tmp_path, TRAIN, [1, tmp_path / "init"])  # writes init
+    assert single.returncode == 0, single.stderr[-3000:]
+    single, _ = _run(tmp_path, TRAIN, [1, tmp_path / "one"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    reference = np.load(tmp_path / "one.r0.npz")
+    ref_logs = json.loads((tmp_path / "one.r0.json").read_text())
+    ref_pred = np.load(tmp_path / "one.pred0.npy")
+    differences = {}
+    for n in (2, 4):
+        proc, _ = _run(tmp_path, TRAIN, [n, tmp_path / f"n{n}"], devices=n)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.count("Epoch 1/4") == 1  # only rank 0 prints
+        for rank in range(n):
+            weights = np.load(tmp_path / f"n{n}.r{rank}.npz")
+            diff = _max_relative_difference(reference, weights)
+            differences[(n, rank)] = diff
+            assert diff <= 1e-5, (n, rank, diff)
+            logs = json.loads((tmp_path / f"n{n}.r{rank}.json").read_text())
+            for key, values in ref_logs["history"].items():
+                np.testing.assert_allclose(
+                    logs["history"][key], values, rtol=1e-5
+                )
+            for key, value in ref_logs["evaluate"].items():
+                np.testing.assert_allclose(
+                    logs["evaluate"][key], value, rtol=1e-5
+                )
+            prediction = np.load(tmp_path / f"n{n}.pred{rank}.npy")
+            assert prediction.shape == ref_pred.shape
+            np.testing.assert_allclose(prediction, ref_pred, atol=1e-5)
+            csv = tmp_path / f"n{n}.log{rank}.csv"
+            assert csv.exists() == (rank == 0), csv
+        first = np.load(tmp_path / f"n{n}.r0.npz")
+        for rank in range(1, n):
+            other = np.load(tmp_path / f"n{n}.r{rank}.npz")
+            assert _max_relative_difference(first, other) == 0.0
+    print("max relative weight difference:", differences)
+
+
+def _check_failure(tmp_path, mode, n):
+    proc, elapsed = _run(tmp_path, FAIL, [mode, n], devices=n, timeout=120)
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "rank 1" in proc.stderr, proc.stderr[-3000:]
+    if mode == "raise":
+        assert "boom at step 3" in proc.stderr
+    else:
+        assert "SIGKILL" in proc.stderr
+    time.sleep(2)
+    for rank in range(n):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+            assert f.read().split()[2] == "Z", f"rank {rank} left running"
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_failures_stop_every_rank(tmp_path):
+    _check_failure(tmp_path, "raise", 4)
+    _check_failure(tmp_path, "kill", 2)

@@ -1,0 +1,45 @@
+"""Shared helpers: the parity model, its data and weight comparison."""
+
+import numpy as np
+
+import keras
+
+
+def build_model(seed=0, dropout=0.0):
+    """Dense + Conv2D + BatchNormalization (+ Dropout) classifier."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, activation="tanh")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dropout(dropout)(h)
+    h = keras.layers.Dense(16, activation="tanh")(h)
+    outputs = keras.layers.Dense(3, activation="softmax")(h)
+    return keras.Model(inputs, outputs)
+
+
+def make_data(n=90, seed=0):
+    """Images, integer labels and positive sample weights."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 3, n)
+    sw = rng.uniform(0.5, 2.0, n).astype("float32")
+    return x, y, sw
+
+
+def compile_model(model):
+    """Compiles with SGD so that parity errors are not hidden by Adam."""
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy()],
+    )
+
+
+def max_relative_difference(weights_a, weights_b):
+    """max over tensors of max|a - b| / max|a|."""
+    worst = 0.0
+    for a, b in zip(weights_a, weights_b, strict=True):
+        a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+        worst = max(worst, np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+    return worst
