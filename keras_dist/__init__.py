@@ -4,8 +4,8 @@ Build and compile a model inside ``strategy.scope()``; ``fit``, ``evaluate``
 and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 """
 
-from keras_dist._src.api import list_devices, simulate_cpu_devices
 from keras_dist._src.api import _apply_env as _apply_env
+from keras_dist._src.api import list_devices, simulate_cpu_devices
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
     KerasDistError,

@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="show backend, versions and devices")
     p.add_argument(
-        "--cpu-devices", type=int, default=0,
+        "--cpu-devices",
+        type=int,
+        default=0,
         help="simulate this many CPU devices first",
     )
     p.set_defaults(func=doctor)

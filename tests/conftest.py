@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-os.environ.setdefault("KERAS_DIST_CPU_DEVICES", "4")
+if os.environ.get("KERAS_BACKEND", "tensorflow") in ("jax", "tensorflow"):
+    os.environ.setdefault("KERAS_DIST_CPU_DEVICES", "4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
@@ -39,15 +40,12 @@ def _no_leaks(monkeypatch):
     changed = {
         k
         for k in set(env_before) | set(os.environ)
-        if env_before.get(k) != os.environ.get(k)
-        and k != "PYTEST_CURRENT_TEST"
+        if env_before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"
     }
     assert not changed, f"test leaked environment variables: {changed}"
     leaked = [
         t
         for t in threading.enumerate()
-        if t.ident not in threads_before
-        and t.is_alive()
-        and not t.daemon
+        if t.ident not in threads_before and t.is_alive() and not t.daemon
     ]
     assert not leaked, f"test leaked threads: {leaked}"

@@ -3,10 +3,10 @@
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 import keras_dist
 from keras_dist._src.devices import normalize_device
 from tests.utils import build_model, compile_model, make_data
@@ -24,8 +24,12 @@ def test_public_names():
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("gpu:0", "gpu:0"), ("GPU:1", "gpu:1"), ("/device:CPU:3", "cpu:3"),
-     ("/job:worker/replica:0/task:1/device:GPU:2", "gpu:2")],
+    [
+        ("gpu:0", "gpu:0"),
+        ("GPU:1", "gpu:1"),
+        ("/device:CPU:3", "cpu:3"),
+        ("/job:worker/replica:0/task:1/device:GPU:2", "gpu:2"),
+    ],
 )
 def test_device_names(name, expected):
     assert normalize_device(name) == expected
@@ -129,8 +133,10 @@ def test_model_cannot_move_to_another_strategy():
     b = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with b.scope():
         with pytest.raises(
-            (keras_dist.StrategyMixingError,
-             keras_dist.VariablesOutsideScopeError)
+            (
+                keras_dist.StrategyMixingError,
+                keras_dist.VariablesOutsideScopeError,
+            )
         ):
             compile_model(model)
 
@@ -154,20 +160,27 @@ def test_simulated_devices_from_a_fresh_process(tmp_path):
         "keras_dist.simulate_cpu_devices(3)\n"
         "print(keras_dist.MirroredStrategy().num_replicas_in_sync)\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")
+    }
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True,
-        env=env, timeout=300, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
     )
     assert out.stdout.strip().splitlines()[-1] == "3"
 
 
-def test_torch_backend_error_is_clear():
+def test_torch_single_process_strategy_without_devices():
     if keras.backend.backend() != "torch":
         pytest.skip("torch only")
-    with pytest.raises(keras_dist.UnsupportedBackendError, match="torch"):
-        keras_dist.MirroredStrategy()
+    # Without simulated devices, torch's default is one CPU process.
+    assert keras_dist.MirroredStrategy().num_replicas_in_sync == 1
 
 
 @needs_multi
@@ -183,8 +196,11 @@ def test_run_reduce_gather_and_distributed_dataset():
         assert len(parts) == n
         seen.extend(np.concatenate([np.asarray(p) for p in parts]).ravel())
         doubled = strategy.run(lambda t: t * 2.0, args=(batch,))
-        total = strategy.reduce("sum", strategy.run(
-            lambda t: keras.ops.sum(t), args=(batch,)), axis=None)
+        total = strategy.reduce(
+            "sum",
+            strategy.run(lambda t: keras.ops.sum(t), args=(batch,)),
+            axis=None,
+        )
         np.testing.assert_allclose(
             float(np.asarray(total)), float(np.sum(batch_values(parts)))
         )

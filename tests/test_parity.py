@@ -4,10 +4,10 @@ Runs under KERAS_BACKEND=jax and tensorflow with 4 simulated CPU devices
 (the torch backend has its own multi-process tests in tests/torch/).
 """
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 import keras_dist
 from tests.utils import (
     build_model,
@@ -34,11 +34,20 @@ EPOCHS, BATCH, EVAL_BATCH = 4, 16, 7
 def _train(model):
     x, y, sw = make_data()
     history = model.fit(
-        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS,
-        shuffle=False, verbose=0,
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
     )
     evaluation = model.evaluate(
-        x, y, sample_weight=sw, batch_size=EVAL_BATCH, verbose=0,
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=EVAL_BATCH,
+        verbose=0,
         return_dict=True,
     )
     predictions = model.predict(x, batch_size=EVAL_BATCH, verbose=0)
@@ -90,7 +99,12 @@ def test_batch_smaller_than_replica_count():
                 model = build_model(seed=3)
                 compile_model(model)
         history = model.fit(
-            x, y, sample_weight=sw, batch_size=3, epochs=6, shuffle=False,
+            x,
+            y,
+            sample_weight=sw,
+            batch_size=3,
+            epochs=6,
+            shuffle=False,
             verbose=0,
         )
         evaluation = model.evaluate(x, y, batch_size=3, verbose=0)
@@ -141,7 +155,8 @@ def test_batch_norm_statistics_global_by_default_per_replica_on_request():
                 compile_model(model)
         model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
         bn = next(
-            layer for layer in model.layers
+            layer
+            for layer in model.layers
             if isinstance(layer, keras.layers.BatchNormalization)
         )
         return np.asarray(bn.moving_variance)
@@ -154,9 +169,7 @@ def test_batch_norm_statistics_global_by_default_per_replica_on_request():
     assert not np.allclose(local, single, rtol=1e-4)
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="JAX limitation"
-)
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX limitation")
 def test_per_replica_batch_norm_unavailable_on_jax_is_clear():
     with pytest.raises(keras_dist.UnsupportedBackendError, match="JAX"):
         keras_dist.MirroredStrategy(sync_batch_norm=False)

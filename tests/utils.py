@@ -1,8 +1,7 @@
 """Shared helpers: the parity model, its data and weight comparison."""
 
-import numpy as np
-
 import keras
+import numpy as np
 
 
 def build_model(seed=0, dropout=0.0):
@@ -41,5 +40,7 @@ def max_relative_difference(weights_a, weights_b):
     worst = 0.0
     for a, b in zip(weights_a, weights_b, strict=True):
         a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
-        worst = max(worst, np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+        worst = max(
+            worst, np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12)
+        )
     return worst

@@ -41,9 +41,7 @@ def split_batch(batch, count: int) -> list:
         )
     parts = [[] for _ in range(count)]
     for leaf in tree.flatten(batch):
-        pieces = (
-            [None] * count if leaf is None else np.array_split(leaf, count)
-        )
+        pieces = [None] * count if leaf is None else np.array_split(leaf, count)
         for i, piece in enumerate(pieces):
             parts[i].append(piece)
     return [tree.pack_sequence_as(batch, p) for p in parts]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import re
 
-_DEVICE_RE = re.compile(r"^(?:/?(?:job:\w+/)?(?:replica:\d+/)?(?:task:\d+/)?"
-                        r"(?:device:)?)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
+_DEVICE_RE = re.compile(
+    r"^(?:/?(?:job:\w+/)?(?:replica:\d+/)?(?:task:\d+/)?"
+    r"(?:device:)?)?(cpu|gpu|tpu):(\d+)$",
+    re.IGNORECASE,
+)
 
 ENV_CPU_DEVICES = "KERAS_DIST_CPU_DEVICES"
 

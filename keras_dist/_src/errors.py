@@ -1,4 +1,4 @@
-"""Typed errors raised by keras_dist, each with what went wrong and what to do."""
+"""Typed errors raised by keras_dist: each says what went wrong, what to do."""
 
 
 class KerasDistError(RuntimeError):

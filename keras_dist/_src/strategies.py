@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from keras_dist._src import backend as backend_lib
 from keras_dist._src.strategy import Strategy

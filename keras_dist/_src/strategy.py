@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from keras_dist._src import backend as backend_lib
 from keras_dist._src import hook
@@ -172,5 +172,3 @@ def current_strategy() -> Strategy | None:
     """Returns the active strategy, or None outside every scope."""
     stack = _stack()
     return stack[-1] if stack else None
-
-

@@ -12,7 +12,7 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @classmethod
-    def from_any(cls, op) -> "ReduceOp":
+    def from_any(cls, op) -> ReduceOp:
         """Accepts a `ReduceOp`, its name (``"sum"``) or a `tf.distribute`
         `ReduceOp`."""
         if isinstance(op, cls):

@@ -9,7 +9,8 @@ the backends cannot drift apart silently.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable

@@ -351,9 +351,11 @@ def _select_replica(structure, index, count):
             return x.values[index]
         return x
 
-    return tree.map_structure(
-        pick, structure, none_is_leaf=True
-    ) if structure else structure
+    return (
+        tree.map_structure(pick, structure, none_is_leaf=True)
+        if structure
+        else structure
+    )
 
 
 def _stack_outputs(outputs):
@@ -403,4 +405,3 @@ class _DistributedDataset:
                 for part, device in zip(parts, self._devices)
             ]
             yield _stack_outputs(placed)
-

@@ -221,8 +221,10 @@ class MirroredEngine(_EngineBase):
                 return model.train_function
             step = model.train_step
             if not (custom_loss or custom_train):
+
                 def step(data):
                     return _exact_step(engine, model, data, training=True)
+
             model.train_function = model._make_function(step)
             return model.train_function
 
@@ -231,8 +233,10 @@ class MirroredEngine(_EngineBase):
                 return model.test_function
             step = model.test_step
             if not (custom_loss or custom_test):
+
                 def step(data):
                     return _exact_step(engine, model, data, training=False)
+
             model.test_function = model._make_function(step)
             return model.test_function
 
@@ -243,9 +247,11 @@ class MirroredEngine(_EngineBase):
             if iterator is not None:
                 for _, _, it in iterator:
                     data_batch = tree.map_structure(
-                        lambda x: engine.local_results(x)[0]
-                        if isinstance(x, tf.distribute.DistributedValues)
-                        else x,
+                        lambda x: (
+                            engine.local_results(x)[0]
+                            if isinstance(x, tf.distribute.DistributedValues)
+                            else x
+                        ),
                         next(it),
                     )
                     break
@@ -296,8 +302,8 @@ def create_engine(devices, sync_batch_norm: bool):
 
 def _exact_step(engine, model, data, training):
     """One replica's share of an exact global-batch step."""
-    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(
-        data
+    x, y, sample_weight = (
+        data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     )
     # Replicas can get shards of different sizes (the last batch of an
     # epoch), so every replica traces with an unknown batch size.
@@ -317,9 +323,7 @@ def _exact_step(engine, model, data, training):
     # replica gets one zero sample of weight 0 instead, masked out of the
     # loss, the metrics and the BatchNormalization statistics.
     padding = tf.cast(tf.equal(local_count, 0), "int32")
-    valid = tf.concat(
-        [tf.ones([local_count]), tf.zeros([padding])], axis=0
-    )
+    valid = tf.concat([tf.ones([local_count]), tf.zeros([padding])], axis=0)
     unpadded = (x, y, sample_weight)
     x, y = tree.map_structure(lambda t: _pad_rows(t, padding), (x, y))
     if sample_weight is None:
@@ -363,7 +367,9 @@ def _exact_step(engine, model, data, training):
             gradients = tape.gradient(loss, weights)
             model.optimizer.apply_gradients(zip(gradients, weights))
         else:
-            warnings.warn("The model does not have any trainable weights.")
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
     # Metrics see the real samples only (unweighted metrics ignore weights).
     x, y, sample_weight = unpadded
     y_pred = tree.map_structure(lambda t: t[:local_count], y_pred)
@@ -396,9 +402,7 @@ def _set_batch_norm_sync(layer, sync: bool) -> None:
         ):
             return original(inputs, mask)
         valid = getattr(_REPLICA, "valid", None)
-        return _global_moments(
-            context, inputs, layer._reduction_axes, valid
-        )
+        return _global_moments(context, inputs, layer._reduction_axes, valid)
 
     layer.__dict__["_moments"] = moments
 
@@ -424,9 +428,7 @@ def _global_moments(context, inputs, axes, valid):
         weight * tf.square(x - _keep_dims(mean, axes, x.shape.rank)),
         axis=axes,
     )
-    variance = tf.math.divide_no_nan(
-        _all_reduce_sum(context, centered), count
-    )
+    variance = tf.math.divide_no_nan(_all_reduce_sum(context, centered), count)
     return tf.cast(mean, dtype), tf.cast(variance, dtype)
 
 
@@ -499,7 +501,8 @@ class _DistributedIterable:
             if count == 1:
                 yield tree.map_structure(tf.convert_to_tensor, parts[0])
                 continue
-            yield self._engine.tf_strategy.experimental_distribute_values_from_function(
+            strategy = self._engine.tf_strategy
+            yield strategy.experimental_distribute_values_from_function(
                 lambda ctx, parts=parts: tree.map_structure(
                     tf.convert_to_tensor, parts[ctx.replica_id_in_sync_group]
                 )

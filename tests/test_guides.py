@@ -1,0 +1,71 @@
+"""The guides' Python blocks run, in order, as one script."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "tensorflow"),
+    reason="the guide's single-process blocks",
+)
+def test_distributed_training_guide_runs(tmp_path):
+    text = (ROOT / "guides" / "distributed_training.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 5
+    script = tmp_path / "guide.py"
+    script.write_text("\n".join(blocks))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")
+    }
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']" in out.stdout
+    assert "(100, 3)" in out.stdout
+    assert "refused:" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "tensorflow"),
+    reason="the example runs on single-process backends",
+)
+def test_main_example_trains(tmp_path):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_digits.py"),
+            "--epochs",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replicas=4" in out.stdout
+    accuracy = float(re.search(r"test accuracy=([\d.]+)", out.stdout)[1])
+    assert accuracy > 0.9
