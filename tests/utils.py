@@ -4,12 +4,12 @@ import keras
 import numpy as np
 
 
-def build_model(seed=0, dropout=0.0):
+def build_model(seed=0, dropout=0.0, bn_momentum=0.99):
     """Dense + Conv2D + BatchNormalization (+ Dropout) classifier."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.Conv2D(4, 3, activation="tanh")(inputs)
-    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.BatchNormalization(momentum=bn_momentum)(h)
     h = keras.layers.Flatten()(h)
     h = keras.layers.Dropout(dropout)(h)
     h = keras.layers.Dense(16, activation="tanh")(h)

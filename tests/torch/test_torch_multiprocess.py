@@ -221,3 +221,49 @@ def _check_failure(tmp_path, mode, n):
 def test_failures_stop_every_rank(tmp_path):
     _check_failure(tmp_path, "raise", 4)
     _check_failure(tmp_path, "kill", 2)
+
+
+PER_RANK_BN = """
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(
+    devices=["cpu:0", "cpu:1"], sync_batch_norm=False)
+rank = int(os.environ["RANK"])
+keras.utils.set_random_seed(7 + rank)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 8, 8, 1)).astype("float32")
+x[32:] = 3 * x[32:] + 1   # the two shards differ: their statistics too
+y = rng.integers(0, 3, size=(64,))
+with strategy.scope():
+    inp = keras.Input((8, 8, 1))
+    conv = keras.layers.Conv2D(4, 3, activation="tanh")
+    bn = keras.layers.BatchNormalization(momentum=0.0)
+    h = keras.layers.Flatten()(bn(conv(inp)))
+    model = keras.Model(inp, keras.layers.Dense(3)(h))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+features = keras.ops.convert_to_numpy(conv(x))  # rank 0's weights, broadcast
+shards = np.array_split(features, 2)
+expected = np.mean([s.var(axis=(0, 1, 2)) for s in shards], axis=0)
+model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+with open(f"{out}.r{rank}.json", "w") as f:
+    json.dump({"expected": expected.tolist(),
+               "global": features.var(axis=(0, 1, 2)).tolist(),
+               "moving": np.asarray(bn.moving_variance).tolist()}, f)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_per_rank_batch_norm_statistics(tmp_path):
+    proc, _ = _run(tmp_path, PER_RANK_BN, [tmp_path / "bn"], devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [
+        json.loads((tmp_path / f"bn.r{rank}.json").read_text())
+        for rank in range(2)
+    ]
+    for result in results:
+        np.testing.assert_allclose(
+            result["moving"], result["expected"], rtol=1e-4
+        )
+        assert not np.allclose(result["moving"], result["global"], rtol=1e-3)
+    assert results[0]["moving"] == results[1]["moving"]

@@ -23,11 +23,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from keras import distribution as keras_distribution
 from keras import tree
+from keras.src.backend import StatelessScope
 
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
-    UnsupportedBackendError,
     VariablesOutsideScopeError,
 )
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
@@ -161,13 +161,7 @@ class MirroredEngine:
     """Replicated variables, batch-sharded data, one jitted SPMD step."""
 
     def __init__(self, devices, sync_batch_norm: bool):
-        if not sync_batch_norm:
-            raise UnsupportedBackendError(
-                "sync_batch_norm=False (per-replica BatchNormalization "
-                "statistics) is not available on the JAX backend yet: the "
-                "JAX step computes on the global batch, so statistics are "
-                "always those of the global batch. Use sync_batch_norm=True."
-            )
+        self.sync_batch_norm = bool(sync_batch_norm)
         self.devices = tuple(devices)
         by_name = _jax_devices_by_name()
         self._jax_devices = [by_name[d] for d in self.devices]
@@ -302,9 +296,72 @@ class _StepFunctions:
         if model.train_function is not None and not force:
             return model.train_function
         replicated = self.engine.replicated
-        step = self._compile(model.train_step, (replicated, replicated))
+        if self.engine.sync_batch_norm:
+            step = self._compile(model.train_step, (replicated, replicated))
+        else:
+            step = self._per_replica_train_step()
         model.train_function = self._wrap(step)
         return model.train_function
+
+    def _per_replica_train_step(self):
+        """Each device trains on its shard (so BatchNormalization sees only
+        that shard's statistics); gradients are averaged with `pmean` before
+        the optimizer applies them, metric updates are summed with `psum`
+        and BatchNormalization's moving statistics are averaged."""
+        model = self.model
+        engine = self.engine
+        compiled = {}
+
+        def local_step(state, data):
+            _, _, _, old_metrics = state
+            optimizer = model.optimizer
+            apply = type(optimizer).stateless_apply.__get__(optimizer)
+
+            def averaged_apply(optimizer_variables, grads, trainable):
+                grads = jax.lax.pmean(grads, BATCH_AXIS)
+                return apply(optimizer_variables, grads, trainable)
+
+            optimizer.__dict__["stateless_apply"] = averaged_apply
+            try:
+                _, new_state = model.train_step(state, data)
+            finally:
+                optimizer.__dict__.pop("stateless_apply", None)
+            trainable, non_trainable, opt_vars, metrics = new_state
+            non_trainable = [
+                jax.lax.pmean(v, BATCH_AXIS)
+                if jax.numpy.issubdtype(v.dtype, jax.numpy.floating)
+                else v
+                for v in non_trainable
+            ]
+            metrics = [
+                old + jax.lax.psum(new - old, BATCH_AXIS)
+                for old, new in zip(old_metrics, metrics)
+            ]
+            mapping = list(zip(model.metrics_variables, metrics))
+            with StatelessScope(state_mapping=mapping):
+                logs = model.get_metrics_result()
+            return logs, (trainable, non_trainable, opt_vars, metrics)
+
+        def step(state, data):
+            sharded = all(
+                x is None or engine.sharded == x.sharding
+                for x in tree.flatten(data)
+            )
+            if sharded not in compiled:
+                spec = PartitionSpec(BATCH_AXIS) if sharded else PartitionSpec()
+                mapped = jax.shard_map(
+                    local_step,
+                    mesh=engine.mesh,
+                    in_specs=(PartitionSpec(), spec),
+                    out_specs=PartitionSpec(),
+                    check_vma=False,
+                )
+                compiled[sharded] = self._compile(
+                    mapped, (engine.replicated, engine.replicated)
+                )
+            return compiled[sharded](state, data)
+
+        return step
 
     def make_test_function(self, force=False):
         """Jits the model's `test_step` with replicated state."""

@@ -390,6 +390,14 @@ def _set_batch_norm_sync(layer, sync: bool) -> None:
     layer.synchronized = False
     if not sync:
         layer.__dict__.pop("_moments", None)
+        # Keras creates the moving statistics with aggregation "none", which
+        # tf.distribute resolves by keeping the first replica's update; the
+        # mean over replicas (what the JAX and torch backends do) uses every
+        # replica's statistics.
+        for variable in (layer.moving_mean, layer.moving_variance):
+            value = variable.value
+            if hasattr(value, "_aggregation"):
+                value._aggregation = tf.VariableAggregation.MEAN
         return
     original = type(layer)._moments.__get__(layer)
 

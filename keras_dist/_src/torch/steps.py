@@ -13,8 +13,8 @@ each rank's metric variables changed during the step (numerators and
 denominators add up), so logs equal single-device ones on every rank.
 BatchNormalization layers compute global moments from all-reduced sums and
 counts (differentiable, like `torch.nn.SyncBatchNorm`) unless the strategy
-has ``sync_batch_norm=False``, in which case rank 0's moving statistics are
-broadcast after each step.
+has ``sync_batch_norm=False``, in which case the moving statistics become
+their mean over the ranks that had samples in the step (as on JAX and TF).
 """
 
 from __future__ import annotations
@@ -151,6 +151,31 @@ def broadcast_from_chief(engine, variables) -> None:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
                 offset += n
+
+
+def average_over_ranks(engine, variables, participate: bool) -> None:
+    """Sets floating `variables` to their mean over the participating ranks.
+
+    A rank with no samples in the step (an empty shard) does not take part;
+    one collective in all.
+    """
+    tensors = [v.value for v in variables]
+    weight = 1.0 if participate else 0.0
+    with torch.no_grad():
+        flat = torch.cat(
+            [t.detach().reshape(-1).to(torch.float64) * weight for t in tensors]
+            + [torch.tensor([weight], dtype=torch.float64)]
+        )
+        dist.all_reduce(flat, group=engine.aux_group)
+        count = flat[-1]
+        if count == 0:
+            return
+        flat = flat[:-1] / count
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
+            offset += n
 
 
 def _metric_snapshot(variables):
@@ -410,20 +435,21 @@ class StepFunctions:
                 "The model does not have any trainable weights.", stacklevel=2
             )
         if not engine.sync_batch_norm:
-            self._broadcast_moving_statistics()
+            self._average_moving_statistics(n_local > 0)
         if n_local > 0:
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         all_reduce_metric_deltas(engine, metric_vars, before)
         return model.get_metrics_result()
 
-    def _broadcast_moving_statistics(self):
+    def _average_moving_statistics(self, has_samples: bool):
         variables = [
             v
             for v in self.model.non_trainable_variables
             if "seed_generator" not in v.path
+            and v.value.dtype.is_floating_point
         ]
         if variables:
-            broadcast_from_chief(self.engine, variables)
+            average_over_ranks(self.engine, variables, has_samples)
 
     # -- test -----------------------------------------------------------------
     def make_test_function(self, force=False):
