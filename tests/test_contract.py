@@ -52,7 +52,7 @@ def test_backend_module_functions(backend):
     assert "NAME" in names
 
 
-@pytest.mark.parametrize("backend", ["jax_backend", "tensorflow_backend"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_classes_implement_engine(backend):
     tree = ast.parse((BACKEND_DIR / f"{backend}.py").read_text())
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}

@@ -9,7 +9,8 @@ only when a keras_dist scope is active, attaches the model to that strategy:
   model's step functions with replicated ones (``Engine.attach``);
 * the model's own ``fit``/``evaluate``/``predict``/``*_on_batch`` are
   wrapped (on the instance, not the class) so that they run inside the
-  strategy's scope, where the backend's distribution state is active.
+  engine's call scope, with arguments the engine may adjust
+  (``Engine.prepare_call``: e.g. no progress bar on non-chief ranks).
 
 Models compiled outside every scope are not touched. If a Keras release moves
 `Trainer.compile`, this file is the one that breaks.
@@ -79,13 +80,16 @@ def attach(model, strategy) -> None:
     model.__dict__[STRATEGY_ATTR] = strategy
     for name in _WRAPPED_METHODS:
         bound = getattr(type(model), name).__get__(model)
-        model.__dict__[name] = _in_scope(bound, strategy)
+        model.__dict__[name] = _in_scope(bound, strategy, name)
 
 
-def _in_scope(method, strategy):
+def _in_scope(method, strategy, name):
+    engine = strategy.extended
+
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         with strategy._call_scope():
+            args, kwargs = engine.prepare_call(name, method, args, kwargs)
             return method(*args, **kwargs)
 
     wrapper.__keras_dist_wrapped__ = True

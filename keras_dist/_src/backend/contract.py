@@ -29,6 +29,11 @@ class Engine(Protocol):
     def call_scope(self) -> contextlib.AbstractContextManager:
         """Context around `fit`/`evaluate`/`predict` of an attached model."""
 
+    def prepare_call(
+        self, name: str, method: Callable, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        """Adjusts the arguments of an attached model's `name` call."""
+
     def attach(self, model) -> None:
         """Validates `model` and installs the replicated step functions."""
 
@@ -77,6 +82,7 @@ CONTRACT_FUNCTIONS = (
 ENGINE_METHODS = (
     "scope",
     "call_scope",
+    "prepare_call",
     "attach",
     "run",
     "reduce",

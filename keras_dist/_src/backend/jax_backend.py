@@ -129,6 +129,9 @@ class OneDeviceEngine:
     def call_scope(self):
         return jax.default_device(self._device)
 
+    def prepare_call(self, name, method, args, kwargs):
+        return args, kwargs
+
     def attach(self, model) -> None:
         for variable in model.variables:
             devices = variable.value.devices()
@@ -190,6 +193,9 @@ class MirroredEngine:
         # engine's step functions place state and batches themselves, which
         # lets a batch that does not divide among replicas be replicated.
         return contextlib.nullcontext()
+
+    def prepare_call(self, name, method, args, kwargs):
+        return args, kwargs
 
     def attach(self, model) -> None:
         mesh_devices = set(self._jax_devices)

@@ -92,6 +92,9 @@ class _EngineBase:
     def local_results(self, value):
         return tuple(self.tf_strategy.experimental_local_results(value))
 
+    def prepare_call(self, name, method, args, kwargs):
+        return args, kwargs
+
     def run(self, fn, args, kwargs):
         return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
 

@@ -305,6 +305,9 @@ class OneDeviceEngine:
     def call_scope(self):
         return contextlib.nullcontext()
 
+    def prepare_call(self, name, method, args, kwargs):
+        return args, kwargs
+
     def attach(self, model) -> None:
         del model
 
@@ -380,12 +383,18 @@ class MirroredEngine:
         from keras_dist._src.torch import steps
 
         try:
-            with steps.rank_gated_callbacks(self):
-                steps.sync_shuffle_seed(self)
-                yield
+            steps.sync_shuffle_seed(self)
+            yield
         except BaseException as error:
             self._raise_failure(error)
             raise
+
+    def prepare_call(self, name, method, args, kwargs):
+        from keras_dist._src.torch import steps
+
+        if name not in ("fit", "evaluate", "predict"):
+            return args, kwargs
+        return steps.gate_call_arguments(self, method, args, kwargs)
 
     def _raise_failure(self, error) -> None:
         if isinstance(error, RankFailedError):

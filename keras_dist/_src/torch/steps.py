@@ -19,7 +19,7 @@ their mean over the ranks that had samples in the step (as on JAX and TF).
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 import warnings
 
 import keras
@@ -68,51 +68,27 @@ def _gate(callbacks) -> list:
     return kept
 
 
-@contextlib.contextmanager
-def rank_gated_callbacks(engine):
+def gate_call_arguments(engine, method, args, kwargs):
     """On ranks other than 0: no progress bar, no file-writing callbacks.
 
-    Keras's trainer builds its `CallbackList` inside `fit`/`evaluate`/
-    `predict`; while this context is active on a non-chief rank the list it
-    builds drops the progress bar, `ModelCheckpoint`, `CSVLogger` and
-    `TensorBoard`, and makes `BackupAndRestore` read-only. A callback with
-    ``_keras_dist_all_ranks = True`` is kept everywhere.
+    Rewrites the arguments of `fit`/`evaluate`/`predict`: ``verbose=0`` and
+    the callbacks without `ModelCheckpoint`, `CSVLogger`, `TensorBoard` and
+    the progress bar; `BackupAndRestore` becomes read-only. A callback with
+    ``_keras_dist_all_ranks = True`` is kept everywhere. On rank 0 the
+    arguments are returned unchanged.
     """
-    from keras.src import callbacks as callbacks_module
-
-    original = callbacks_module.CallbackList
-    if engine.is_chief or getattr(original, "_keras_dist_gated", False):
-        yield
-        return
-
-    class CallbackList(original):
-        _keras_dist_gated = True
-
-        def __init__(
-            self,
-            callbacks=None,
-            add_history=False,
-            add_progbar=False,
-            model=None,
-            **params,
-        ):
-            del add_progbar
-            if isinstance(callbacks, original):
-                callbacks = callbacks.callbacks
-            callbacks = _gate(tree.flatten(callbacks) if callbacks else [])
-            super().__init__(
-                callbacks,
-                add_history=add_history,
-                add_progbar=False,
-                model=model,
-                **params,
-            )
-
-    callbacks_module.CallbackList = CallbackList
-    try:
-        yield
-    finally:
-        callbacks_module.CallbackList = original
+    if engine.is_chief:
+        return args, kwargs
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    arguments = bound.arguments
+    if "verbose" in inspect.signature(method).parameters:
+        arguments["verbose"] = 0
+    callbacks = arguments.get("callbacks")
+    if callbacks is not None and not isinstance(
+        callbacks, keras.callbacks.CallbackList
+    ):
+        arguments["callbacks"] = _gate(tree.flatten(callbacks))
+    return bound.args, bound.kwargs
 
 
 def check_variables(engine, model) -> None:
