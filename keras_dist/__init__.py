@@ -13,6 +13,7 @@ from keras_dist._src.errors import (
     UnsupportedBackendError,
     VariablesOutsideScopeError,
 )
+from keras_dist._src.options import InputOptions, ShardPolicy
 from keras_dist._src.strategies import (
     MirroredStrategy,
     OneDeviceStrategy,
@@ -26,11 +27,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DevicesAlreadyInitializedError",
+    "InputOptions",
     "KerasDistError",
     "MirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",
+    "ShardPolicy",
     "Strategy",
     "StrategyMixingError",
     "UnsupportedBackendError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keras_dist._src import backend as backend_lib
+from keras_dist._src.options import InputOptions
 from keras_dist._src.strategy import Strategy
 
 
@@ -34,16 +35,23 @@ class MirroredStrategy(Strategy):
             (simulated) CPU device.
         sync_batch_norm: use global-batch BatchNormalization statistics
             (default) or per-replica ones.
+        input_options: an `InputOptions`: how input is sharded between
+            workers (matters where there are several processes).
     """
 
     def __init__(
         self,
         devices: Sequence[str] | None = None,
         sync_batch_norm: bool = True,
+        input_options: InputOptions | None = None,
     ):
         if devices is None:
             devices = backend_lib.get().default_devices()
-        super().__init__(list(devices), sync_batch_norm=sync_batch_norm)
+        super().__init__(
+            list(devices),
+            sync_batch_norm=sync_batch_norm,
+            input_options=input_options,
+        )
 
 
 _REGISTRY = {

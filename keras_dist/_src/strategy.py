@@ -10,6 +10,7 @@ from keras_dist._src import backend as backend_lib
 from keras_dist._src import hook
 from keras_dist._src.devices import check_devices_exist
 from keras_dist._src.errors import StrategyMixingError
+from keras_dist._src.options import InputOptions
 from keras_dist._src.values import ReduceOp
 
 _state = threading.local()
@@ -33,15 +34,33 @@ class Strategy:
         sync_batch_norm: whether BatchNormalization uses the statistics of
             the global batch (default, so results match one device) or of each
             replica's shard.
+        input_options: an `InputOptions` (how input is sharded between
+            workers); defaults to ``InputOptions()`` (``ShardPolicy.AUTO``).
     """
 
-    def __init__(self, devices: Sequence[str], sync_batch_norm: bool = True):
+    def __init__(
+        self,
+        devices: Sequence[str],
+        sync_batch_norm: bool = True,
+        input_options: InputOptions | None = None,
+    ):
+        if input_options is None:
+            input_options = InputOptions()
+        if not isinstance(input_options, InputOptions):
+            raise TypeError(
+                "input_options must be a keras_dist.InputOptions, e.g. "
+                "InputOptions(shard_policy=ShardPolicy.DATA); got "
+                f"{input_options!r}."
+            )
         module = backend_lib.get()
         available = module.list_devices()
         self._devices = tuple(check_devices_exist(devices, available))
         self._sync_batch_norm = bool(sync_batch_norm)
+        self._input_options = input_options
         self._engine = module.create_engine(
-            self._devices, sync_batch_norm=self._sync_batch_norm
+            self._devices,
+            sync_batch_norm=self._sync_batch_norm,
+            input_options=input_options,
         )
         hook.install()
 
@@ -50,6 +69,11 @@ class Strategy:
     def devices(self) -> tuple[str, ...]:
         """The devices replicas run on, as ``"type:index"`` names."""
         return self._devices
+
+    @property
+    def input_options(self) -> InputOptions:
+        """How input is sharded between workers (`InputOptions`)."""
+        return self._input_options
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -68,7 +68,7 @@ class BackendModule(Protocol):
         """Splits the host CPU into `count` devices; before backend start."""
 
     def create_engine(
-        self, devices: Sequence[str], sync_batch_norm: bool
+        self, devices: Sequence[str], sync_batch_norm: bool, input_options
     ) -> Engine:
         """Returns the engine running replicas on `devices`."""
 

@@ -295,11 +295,13 @@ def _new_mirrored_strategy(tf_devices):
     return cls(devices=tf_devices)
 
 
-def create_engine(devices, sync_batch_norm: bool):
+def create_engine(devices, sync_batch_norm: bool, input_options):
     """Returns the engine for `devices` (one device: no tf.distribute)."""
     devices = [normalize_device(d) for d in devices]
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])
+    # One worker (this process): every shard policy reads the whole input.
+    del input_options
     return MirroredEngine(devices, sync_batch_norm)
 
 

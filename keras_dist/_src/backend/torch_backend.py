@@ -490,7 +490,7 @@ def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def create_engine(devices, sync_batch_norm: bool):
+def create_engine(devices, sync_batch_norm: bool, input_options):
     """Returns this process's engine; starts or joins the job if needed.
 
     One device outside a launched job: Keras's own step. Otherwise one rank
@@ -507,7 +507,9 @@ def create_engine(devices, sync_batch_norm: bool):
     joined = launch.env_rank() is not None or dist.is_initialized()
     if len(devices) == 1 and not joined:
         return OneDeviceEngine(devices[0])
-    return MirroredEngine(devices, sync_batch_norm)
+    engine = MirroredEngine(devices, sync_batch_norm)
+    engine.input_options = input_options
+    return engine
 
 
 # -- helpers ------------------------------------------------------------------
