@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 
+from keras_dist._src.data import check_call_inputs
+
 _WRAPPED_METHODS = (
     "fit",
     "evaluate",
@@ -88,9 +90,18 @@ def _in_scope(method, strategy, name):
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        with strategy._call_scope():
+        check_call_inputs(name, method, args, kwargs)
+        with strategy._call_scope(name):
             args, kwargs = engine.prepare_call(name, method, args, kwargs)
-            return method(*args, **kwargs)
+            try:
+                return method(*args, **kwargs)
+            except StopIteration as error:
+                # Keras lets StopIteration escape when the input yields no
+                # batch at all (an empty generator or dataset).
+                raise ValueError(
+                    f"`{name}` got an input that yielded no batch. Pass a "
+                    "non-empty input (check the data source and filters)."
+                ) from error
 
     wrapper.__keras_dist_wrapped__ = True
     return wrapper

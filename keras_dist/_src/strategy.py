@@ -98,9 +98,16 @@ class Strategy:
         """
         return self._scope(self._engine.scope)
 
-    def _call_scope(self):
+    @contextlib.contextmanager
+    def _call_scope(self, name: str):
         """Context around `fit`/`evaluate`/`predict` of an attached model."""
-        return self._scope(self._engine.call_scope)
+        calls = _calls()
+        calls.append(name)
+        try:
+            with self._scope(self._engine.call_scope):
+                yield self
+        finally:
+            calls.pop()
 
     @contextlib.contextmanager
     def _scope(self, engine_scope):
@@ -167,6 +174,19 @@ class Strategy:
 
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._devices)})"
+
+
+def _calls() -> list:
+    if not hasattr(_state, "calls"):
+        _state.calls = []
+    return _state.calls
+
+
+def current_call() -> str | None:
+    """Name of the innermost `fit`/`evaluate`/`predict`/`*_on_batch` call of
+    an attached model in progress on this thread, or None."""
+    calls = _calls()
+    return calls[-1] if calls else None
 
 
 def get_strategy() -> Strategy:

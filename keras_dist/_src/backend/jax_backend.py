@@ -25,6 +25,7 @@ from keras import distribution as keras_distribution
 from keras import tree
 from keras.src.backend import StatelessScope
 
+from keras_dist._src.data import check_batch_consistency
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
@@ -264,6 +265,9 @@ class _StepFunctions:
     def __init__(self, engine, model):
         self.engine = engine
         self.model = model
+        self._first_batch = None
+        self._batch_index = 0
+        self._iterator = None
 
     def install(self) -> None:
         model = self.model
@@ -288,13 +292,27 @@ class _StepFunctions:
         def function(state, iterator):
             if state is not last_state[0]:
                 state = engine.place_state(state)
-            outputs, state = iterator_step(
-                state, map(engine.place_batch, iterator)
-            )
+            outputs, state = iterator_step(state, self._placed(iterator))
             last_state[0] = state
             return outputs, state
 
         return function
+
+    def _placed(self, iterator):
+        """Places each batch; checks it matches the first batch's shapes."""
+        if iterator is not self._iterator:  # a new epoch or a new input
+            self._iterator = iterator
+            self._first_batch = None
+        for batch in iterator:
+            if self._first_batch is None:
+                self._first_batch = batch
+                self._batch_index = 1
+            else:
+                self._batch_index += 1
+                check_batch_consistency(
+                    self._first_batch, batch, self._batch_index
+                )
+            yield self.engine.place_batch(batch)
 
     def make_train_function(self, force=False):
         """Jits the model's `train_step` with replicated state."""

@@ -30,6 +30,7 @@ from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
     VariablesOutsideScopeError,
 )
+from keras_dist._src.strategy import current_call
 from keras_dist._src.values import PerReplica, ReduceOp
 
 NAME = "tensorflow"
@@ -222,7 +223,9 @@ class MirroredEngine(_EngineBase):
         def make_train_function(force=False):
             if model.train_function is not None and not force:
                 return model.train_function
-            step = model.train_step
+            def step(data):
+                return model.train_step(_without_count(data))
+
             if not (custom_loss or custom_train):
 
                 def step(data):
@@ -234,7 +237,9 @@ class MirroredEngine(_EngineBase):
         def make_test_function(force=False):
             if model.test_function is not None and not force:
                 return model.test_function
-            step = model.test_step
+            def step(data):
+                return model.test_step(_without_count(data))
+
             if not (custom_loss or custom_test):
 
                 def step(data):
@@ -244,20 +249,14 @@ class MirroredEngine(_EngineBase):
             return model.test_function
 
         def maybe_symbolic_build(iterator=None, data_batch=None):
-            # Keras sums the per-replica parts of the first batch to get
-            # shapes for building, which fails when the parts differ in
-            # size; the first replica's part has the same shapes but batch.
+            # Keras builds metrics and optimizer variables here, from shapes
+            # only. Its own version takes a batch from the distributed input
+            # (consuming batches of a generator, and losing those the
+            # iterator had prefetched) and sums the replicas' parts (which
+            # fails when they differ in size). The input's element spec has
+            # all the shapes and dtypes needed, without reading any data.
             if iterator is not None:
-                for _, _, it in iterator:
-                    data_batch = tree.map_structure(
-                        lambda x: (
-                            engine.local_results(x)[0]
-                            if isinstance(x, tf.distribute.DistributedValues)
-                            else x
-                        ),
-                        next(it),
-                    )
-                    break
+                data_batch = iterator.data_adapter.get_tf_dataset().element_spec
             with engine.tf_strategy.scope():
                 model._symbolic_build(data_batch=data_batch)
 
@@ -277,22 +276,75 @@ _strategies_created = 0
 
 
 def _new_mirrored_strategy(tf_devices):
-    """A MirroredStrategy whose collective group keys are its own.
+    """A MirroredStrategy of keras_dist's, built once per engine.
 
-    Every MirroredStrategy starts its collective group keys at 1, so a second
-    strategy over a different device set in the same process collides with
-    the first ("joining a group with size 4, but that group has size 2").
-    tf.distribute reads the key base from the class; give each strategy a
-    disjoint range.
+    * Its collective group keys are its own: every MirroredStrategy starts
+      them at 1, so a second strategy over other devices in the same process
+      collides with the first ("joining a group with size 4, but that group
+      has size 2"); tf.distribute reads the key base from the class.
+    * It splits each global batch itself (`_split_global_batches`).
     """
     global _strategies_created
     _strategies_created += 1
     cls = type(
         "MirroredStrategy",
         (tf.distribute.MirroredStrategy,),
-        {"_collective_key_base": 100_000 * _strategies_created},
+        {
+            "_collective_key_base": 100_000 * _strategies_created,
+            "experimental_distribute_dataset": _distribute_global_batches,
+        },
     )
     return cls(devices=tf_devices)
+
+
+_GLOBAL_COUNT = "keras_dist_global_count"
+_BATCH = "keras_dist_batch"
+_EXACT_CALLS = ("fit", "evaluate")
+
+
+def _without_count(data):
+    if isinstance(data, dict) and _GLOBAL_COUNT in data:
+        return data[_BATCH]
+    return data
+
+
+def _distribute_global_batches(strategy, dataset, options=None):
+    """Splits each global batch of `dataset` across replicas, exactly.
+
+    tf.distribute's own rebatching gives each replica a whole batch when the
+    batch size is unknown statically (input from generators and
+    PyDatasets), which makes the global batch N times too large, and splits
+    a short batch as ceil-sized parts ([3, 3, 3, 1] for 10 over 4).
+    keras_dist splits every batch like `numpy.array_split` ([3, 3, 2, 2]),
+    in sample order, and hands replicas their parts in turn through
+    `distribute_datasets_from_function`. In `fit`/`evaluate` each part also
+    carries the global batch size, so the exact step needs no collective to
+    learn it.
+    """
+    replicas = strategy.num_replicas_in_sync
+    with_count = current_call() in _EXACT_CALLS
+
+    def split(*batch):
+        batch = batch[0] if len(batch) == 1 else batch
+        leaves = [t for t in tree.flatten(batch) if t is not None]
+        count = tf.shape(leaves[0])[0]
+        base, extra = count // replicas, count % replicas
+
+        def part(i):
+            i = tf.cast(i, "int32")
+            start = i * base + tf.minimum(i, extra)
+            stop = start + base + tf.cast(i < extra, "int32")
+            shard = tree.map_structure(
+                lambda t: None if t is None else t[start:stop], batch
+            )
+            if with_count:
+                return {_BATCH: shard, _GLOBAL_COUNT: count}
+            return shard
+
+        return tf.data.Dataset.range(replicas).map(part)
+
+    parts = dataset.flat_map(split)
+    return strategy.distribute_datasets_from_function(lambda _: parts, options)
 
 
 def create_engine(devices, sync_batch_norm: bool, input_options):
@@ -307,9 +359,14 @@ def create_engine(devices, sync_batch_norm: bool, input_options):
 
 def _exact_step(engine, model, data, training):
     """One replica's share of an exact global-batch step."""
+    given_count = None
+    if isinstance(data, dict) and _GLOBAL_COUNT in data:
+        given_count = data[_GLOBAL_COUNT]
+        data = data[_BATCH]
     x, y, sample_weight = (
         data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     )
+    x = _check_input_shapes(model, x)
     # Replicas can get shards of different sizes (the last batch of an
     # epoch), so every replica traces with an unknown batch size.
     x, y, sample_weight = tree.map_structure(
@@ -320,7 +377,10 @@ def _exact_step(engine, model, data, training):
     first = next(i for i in tree.flatten(x) if i is not None)
     local_count = tf.shape(first)[0]
     local = tf.cast(local_count, "float32")
-    global_count = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    if given_count is not None:
+        global_count = tf.cast(given_count, "float32")
+    else:  # train_on_batch: the batch did not come through our dataset
+        global_count = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
 
     # tf.distribute hands an empty shard to some replicas when a batch has
     # fewer samples than replicas; with cross-replica BatchNormalization
@@ -475,6 +535,48 @@ def _pad_rows(tensor, count):
         tf.concat([[count], tf.shape(tensor)[1:]], axis=0), tensor.dtype
     )
     return tf.concat([tensor, zeros], axis=0)
+
+
+def _check_input_shapes(model, x):
+    """Asserts at run time that `x` matches the model's input shapes.
+
+    Inputs from generators reach the step with unknown dimensions, so a batch
+    of the wrong shape would otherwise fail deep inside a layer.
+    """
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # subclassed models have none
+        return x
+    if not inputs:
+        return x
+    try:
+        pairs = list(zip(tree.flatten(inputs), tree.flatten(x), strict=True))
+    except ValueError:
+        return x
+    checked = []
+    for spec, tensor in pairs:
+        if not isinstance(tensor, tf.Tensor) or not hasattr(spec, "shape"):
+            checked.append(tensor)
+            continue
+        expected = list(spec.shape)[1:]
+        if len(expected) + 1 != tensor.shape.rank:
+            checked.append(tensor)
+            continue
+        dims = [i for i, d in enumerate(expected) if d is not None]
+        if dims:
+            actual = tf.gather(tf.shape(tensor)[1:], dims)
+            wanted = tf.constant([expected[i] for i in dims], dtype="int32")
+            message = (
+                f"A batch of the input does not match the model's input "
+                f"shape (None, {', '.join(map(str, expected))}); only the "
+                "first (batch) dimension may vary between batches."
+            )
+            with tf.control_dependencies(
+                [tf.debugging.assert_equal(actual, wanted, message=message)]
+            ):
+                tensor = tf.identity(tensor)
+        checked.append(tensor)
+    return tree.pack_sequence_as(x, checked)
 
 
 def _unknown_batch_size(tensor):

@@ -355,6 +355,11 @@ class MirroredEngine:
         self.aux_group = dist.new_group(
             backend="nccl" if self.device.type == "cuda" else "gloo"
         )
+        from keras_dist._src.torch.inputs import LocalBatchTracker
+
+        # Set by the input of FILE/OFF policies: the next batch is local.
+        self.local_batches = LocalBatchTracker()
+        self.input_options = None
 
     @property
     def rank(self) -> int:
@@ -383,6 +388,7 @@ class MirroredEngine:
         from keras_dist._src.torch import steps
 
         try:
+            self.local_batches.pending = None
             steps.sync_shuffle_seed(self)
             yield
         except BaseException as error:
@@ -390,10 +396,13 @@ class MirroredEngine:
             raise
 
     def prepare_call(self, name, method, args, kwargs):
-        from keras_dist._src.torch import steps
+        from keras_dist._src.torch import inputs, steps
 
         if name not in ("fit", "evaluate", "predict"):
             return args, kwargs
+        args, kwargs = inputs.prepare_arguments(
+            self, name, method, args, kwargs
+        )
         return steps.gate_call_arguments(self, method, args, kwargs)
 
     def _raise_failure(self, error) -> None:

@@ -20,6 +20,7 @@ their mean over the ranks that had samples in the step (as on JAX and TF).
 from __future__ import annotations
 
 import inspect
+import random
 import warnings
 
 import keras
@@ -43,14 +44,18 @@ ALL_RANKS_ATTR = "_keras_dist_all_ranks"
 def sync_shuffle_seed(engine) -> None:
     """Seeds torch's global generator with a seed drawn on rank 0.
 
-    Keras's torch data loader shuffles with torch's global generator, so
-    this makes every rank shuffle (and so batch) the data identically.
+    Keras's torch data loader (and a torch `DataLoader(shuffle=True)`)
+    shuffles with torch's global generator and `PyDataset` with Python's
+    `random`; both are seeded, so every rank shuffles (and so batches) the
+    data identically.
     """
     seed = torch.zeros(1, dtype=torch.int64, device=engine.device)
     if engine.is_chief:
         seed[0] = int(torch.randint(0, 2**62, (1,)).item())
     dist.broadcast(seed, 0, group=engine.aux_group)
     torch.manual_seed(int(seed.item()))
+    # `PyDataset` shuffles its batch order with Python's `random`.
+    random.seed(int(seed.item()))
 
 
 def _gate(callbacks) -> list:
@@ -329,6 +334,11 @@ class StepFunctions:
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         from keras_dist._src.backend.torch_backend import shard_bounds
 
+        n_global = self.engine.local_batches.take()
+        if n_global is not None:
+            # FILE/OFF: this rank's own batch; the global batch is the union.
+            n_local = int(_first_leaf(x).shape[0]) if tree.flatten(x) else 0
+            return x, y, sample_weight, n_local, n_global
         total = int(_first_leaf(x).shape[0])
         start, stop = shard_bounds(
             total, self.engine.rank, self.engine.world_size

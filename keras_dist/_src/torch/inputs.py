@@ -1,0 +1,462 @@
+"""Input distribution of `fit`/`evaluate`/`predict` on torch (shard policies).
+
+Every rank runs Keras's own torch input pipeline. What each rank is given
+depends on the strategy's `InputOptions` (see `keras_dist.ShardPolicy`):
+
+* ``DATA``: the input is left as it is. Every rank iterates the same global
+  batches (shuffling is seeded from rank 0) and the replicated step keeps
+  this rank's contiguous `numpy.array_split` part of each one.
+* ``FILE``: a file-backed `tf.data.Dataset` (batched with the global batch
+  size B) is sharded by files with tf.distribute's own
+  ``input_ops.auto_shard_dataset`` and re-batched to this rank's share of B
+  (``numpy.array_split`` sizes). Any other input falls back to ``DATA``
+  (logged once).
+* ``OFF``: each rank's input is its own share of the data. Arrays are
+  batched with this rank's share of ``batch_size`` (the global batch B: rank
+  r gets ``B // W + (r < B % W)``); already batched inputs (datasets,
+  generators, `DataLoader`, `PyDataset`) must yield local batches.
+* ``AUTO``: ``FILE`` for a file-backed `tf.data.Dataset`, else ``DATA``
+  (logged once).
+
+With ``FILE`` and ``OFF`` each rank's batches are local, and ranks may hold
+different numbers of them. The input is then wrapped in `AgreedAdapter`:
+before every step the ranks all-reduce whether they still have a batch and
+how many samples it holds; a rank that has run out takes part with an empty
+batch (zero gradient, no metric update) until every rank is done, so every
+sample is used exactly once and no collective is left unmatched. The step
+(`keras_dist._src.torch.steps`) then does not slice, and weights the local
+mean loss with ``n_local * world / n_global``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import re
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from keras import tree
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import (
+    array_data_adapter,
+    data_adapter,
+    data_adapter_utils,
+)
+
+from keras_dist._src import launch
+from keras_dist._src.options import ShardPolicy
+
+_FILE_READERS = re.compile(
+    rb"TFRecordDataset|TextLineDataset|FixedLengthRecordDataset"
+)
+_logged: set = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        launch.log(message)
+
+
+# -- classification -----------------------------------------------------------
+def is_tf_dataset(x) -> bool:
+    """Whether `x` is a `tf.data.Dataset` (without importing TensorFlow)."""
+    return data_adapters.is_tf_dataset(x)
+
+
+def is_file_dataset(dataset) -> bool:
+    """Whether a `tf.data.Dataset` reads records from files."""
+    import tensorflow as tf
+
+    try:
+        graph = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=dataset._variant_tensor
+        )
+    except Exception:  # noqa: BLE001 - not serialisable: not file-backed.
+        return False
+    return bool(_FILE_READERS.search(graph.numpy()))
+
+
+def resolve_policy(policy: ShardPolicy, x) -> ShardPolicy:
+    """Returns the policy applied to input `x` (``AUTO``/``FILE`` resolved).
+
+    Args:
+        policy: the strategy's `ShardPolicy`.
+        x: the ``x`` argument of `fit`/`evaluate`/`predict`.
+    """
+    if policy in (ShardPolicy.DATA, ShardPolicy.OFF):
+        return policy
+    file_backed = is_tf_dataset(x) and is_file_dataset(x)
+    if file_backed:
+        if policy is ShardPolicy.AUTO:
+            _log_once(
+                "ShardPolicy.AUTO: the tf.data.Dataset reads files, so each "
+                "rank reads its own files (FILE)."
+            )
+        return ShardPolicy.FILE
+    if policy is ShardPolicy.FILE:
+        _log_once(
+            f"ShardPolicy.FILE: the input ({type(x).__name__}) is not a "
+            "file-backed tf.data.Dataset; falling back to DATA (every rank "
+            "reads all of it and keeps its part of each global batch)."
+        )
+    elif policy is ShardPolicy.AUTO:
+        _log_once(
+            "ShardPolicy.AUTO: sharding the input by DATA (every rank reads "
+            "all of it and keeps its part of each global batch)."
+        )
+    return ShardPolicy.DATA
+
+
+def local_batch_size(global_batch: int, rank: int, world: int) -> int:
+    """This rank's share of a global batch (``numpy.array_split`` sizes)."""
+    base, extra = divmod(int(global_batch), world)
+    return base + (1 if rank < extra else 0)
+
+
+# -- checks -------------------------------------------------------------------
+def _is_infinite(x) -> bool:
+    if is_tf_dataset(x):
+        import tensorflow as tf
+
+        return int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+    if isinstance(x, data_adapters.py_dataset_adapter.PyDataset):
+        return x.num_batches is None
+    return isinstance(x, (itertools.count, itertools.cycle)) or (
+        isinstance(x, itertools.repeat) and "times" not in repr(x)
+    )
+
+
+def check_input(x, y, steps, steps_name: str, what: str) -> None:
+    """Raises a clear error for an input that cannot give a correct run.
+
+    Args:
+        x: the input (``x`` or the validation data's ``x``).
+        y: the targets, for arrays.
+        steps: the step count given for it (``steps_per_epoch``...).
+        steps_name: the argument that sets it, for the message.
+        what: ``"fit"``, ``"evaluate"``, ``"predict"`` or
+            ``"validation_data"``, for the message.
+
+    Raises:
+        ValueError: for an infinite input without a step count, or arrays
+            without samples.
+    """
+    if steps is None and _is_infinite(x):
+        raise ValueError(
+            f"{what} received an infinite input ({type(x).__name__}) and no "
+            f"`{steps_name}`: the epoch would never end. Pass "
+            f"`{steps_name}=N`, or make the input finite (e.g. drop "
+            "`.repeat()`)."
+        )
+    if array_data_adapter.can_convert_arrays((x, y)):
+        leaves = [a for a in tree.flatten(x) if a is not None]
+        if leaves and int(np.shape(leaves[0])[0]) == 0:
+            raise ValueError(
+                f"{what} received arrays with 0 samples (x has shape "
+                f"{tuple(np.shape(leaves[0]))}). Pass at least one sample."
+            )
+
+
+# -- agreement on the step count ----------------------------------------------
+class LocalBatchTracker:
+    """Tells the step that the batch it gets is local, and `n_global`."""
+
+    def __init__(self):
+        self.pending = None
+
+    def offer(self, n_global: int) -> None:
+        """Marks the next batch as local, with `n_global` samples in all."""
+        self.pending = int(n_global)
+
+    def take(self):
+        """Returns `n_global` of the current local batch, or None (DATA)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def _empty_like(batch):
+    return tree.map_structure(
+        lambda t: None if t is None else t[:0], batch, none_is_leaf=True
+    )
+
+
+def _num_samples(batch) -> int:
+    leaves = [t for t in tree.flatten(batch) if t is not None]
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+class _AgreedIterable(torch.utils.data.IterableDataset):
+    def __init__(self, adapter):
+        super().__init__()
+        self.adapter = adapter
+
+    def __iter__(self):
+        return self.adapter.agreed_batches()
+
+
+class AgreedAdapter(data_adapter.DataAdapter):
+    """A Keras data adapter over this rank's local batches, in lockstep.
+
+    Wraps the Keras adapter of this rank's own input. Before each step the
+    ranks all-reduce ``[has_batch, n_local, needs_template]``; when no rank
+    has a batch, iteration stops on every rank at once. A rank without a
+    batch yields an empty one (its structure taken from its own earlier
+    batches or, if it had none, from another rank).
+
+    Args:
+        engine: the rank's `MirroredEngine`.
+        inner: the Keras `DataAdapter` of this rank's input.
+        what: what the input is for, used in error messages.
+    """
+
+    def __init__(self, engine, inner, what: str):
+        self.engine = engine
+        self.inner = inner
+        self.what = what
+        self._template = None
+        counts = inner.num_batches
+        known = torch.tensor(
+            [0 if counts is None else 1, counts or 0], dtype=torch.int64
+        )
+        flags = known.clone()
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=engine.aux_group)
+        most = known.clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=engine.aux_group)
+        self._num_batches = int(most[1]) if int(flags[0]) == 1 else None
+
+    def agreed_batches(self):
+        """Yields this rank's batches (or empty ones) in lockstep."""
+        engine = self.engine
+        tracker = engine.local_batches
+        tracker.pending = None
+        iterator = iter(self.inner.get_torch_dataloader())
+        exhausted = False
+        first = True
+        while True:
+            batch = None
+            if not exhausted:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    exhausted = True
+            if batch is not None and self._template is None:
+                self._template = _empty_like(batch)
+            n_local = 0 if batch is None else _num_samples(batch)
+            state = torch.tensor(
+                [
+                    0 if batch is None else 1,
+                    n_local,
+                    1 if self._template is None else 0,
+                ],
+                dtype=torch.int64,
+            )
+            dist.all_reduce(state, group=engine.aux_group)
+            has, n_global, lacking = (int(v) for v in state)
+            if has == 0:
+                if first:
+                    raise ValueError(
+                        f"The input of {self.what} yielded no batch on any "
+                        "rank (an empty data set). Pass at least one sample."
+                    )
+                tracker.pending = None
+                return
+            first = False
+            if lacking:
+                templates = [None] * engine.world_size
+                dist.all_gather_object(
+                    templates, self._template, group=engine.aux_group
+                )
+                if self._template is None:
+                    self._template = next(t for t in templates if t is not None)
+            if batch is None:
+                batch = self._template
+            tracker.offer(n_global)
+            yield batch
+
+    def get_numpy_iterator(self):
+        for batch in self.agreed_batches():
+            yield tree.map_structure(
+                lambda t: None if t is None else np.asarray(t.cpu()),
+                batch,
+                none_is_leaf=True,
+            )
+
+    def get_torch_dataloader(self):
+        return torch.utils.data.DataLoader(
+            _AgreedIterable(self), batch_size=None
+        )
+
+    def get_tf_dataset(self):
+        raise NotImplementedError("AgreedAdapter is for the torch backend.")
+
+    def get_jax_iterator(self):
+        raise NotImplementedError("AgreedAdapter is for the torch backend.")
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    @property
+    def batch_size(self):
+        return self.inner.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+
+# -- rewriting the arguments of fit/evaluate/predict --------------------------
+def _global_batch_size(dataset, batch_size):
+    """The global batch of a batched `tf.data.Dataset`.
+
+    ``batch_size`` when given; else the static batch size tf.distribute
+    computes from the dataset's graph; else the size of its first batch.
+    """
+    if batch_size:
+        return int(batch_size)
+    from tensorflow.python.data.experimental.ops import distribute
+
+    try:
+        size = int(distribute.compute_batch_size(dataset))
+    except Exception:  # noqa: BLE001 - not computable statically.
+        size = -1
+    if size > 0:
+        return size
+    for batch in dataset.take(1):
+        return _num_samples(batch)
+    return 1
+
+
+def _file_shard(engine, dataset, batch_size):
+    from tensorflow.python.distribute import input_ops
+
+    world, rank = engine.world_size, engine.rank
+    global_batch = _global_batch_size(dataset, batch_size)
+    sharded = input_ops.auto_shard_dataset(dataset, world, rank, world)
+    local = local_batch_size(global_batch, rank, world)
+    if local == 0:
+        raise ValueError(
+            f"ShardPolicy.FILE: the global batch ({global_batch}) is smaller "
+            f"than the number of ranks ({world}). Batch the dataset with at "
+            "least one sample per rank."
+        )
+    return sharded.rebatch(local)
+
+
+def _local_input(engine, policy, x, y, sample_weight, batch_size, what, **kw):
+    """Returns an `AgreedAdapter` over this rank's input under `policy`."""
+    if policy is ShardPolicy.FILE:
+        # Keras ignores `batch_size` for datasets: they are batched.
+        x = _file_shard(engine, x, None)
+    elif array_data_adapter.can_convert_arrays((x, y, sample_weight)):
+        batch_size = local_batch_size(
+            batch_size or 32, engine.rank, engine.world_size
+        )
+        if batch_size == 0:
+            raise ValueError(
+                f"ShardPolicy.OFF: batch_size={batch_size} is the global "
+                f"batch and must be at least the number of ranks "
+                f"({engine.world_size}). Pass a larger batch_size."
+            )
+    inner = data_adapters.get_data_adapter(
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        **kw,
+    )
+    return AgreedAdapter(engine, inner, what)
+
+
+def prepare_arguments(engine, name, method, args, kwargs):
+    """Applies the shard policy to the input arguments of `name`.
+
+    Checks the input (`check_input`) and, for ``FILE``/``OFF``, replaces
+    ``x`` (and ``validation_data``) with an `AgreedAdapter` over this rank's
+    share; ``DATA`` input is passed through unchanged.
+
+    Args:
+        engine: the rank's `MirroredEngine`.
+        name: ``"fit"``, ``"evaluate"`` or ``"predict"``.
+        method: the model's bound method (for its signature).
+        args: positional arguments of the call.
+        kwargs: keyword arguments of the call.
+
+    Returns:
+        The new ``(args, kwargs)``.
+    """
+    options = getattr(engine, "input_options", None)
+    base = options.shard_policy if options is not None else ShardPolicy.DATA
+    signature = inspect.signature(method)
+    bound = signature.bind(*args, **kwargs)
+    arguments = bound.arguments
+    x = arguments.get("x")
+    y = arguments.get("y")
+    sample_weight = arguments.get("sample_weight")
+    steps_name = "steps_per_epoch" if name == "fit" else "steps"
+    check_input(x, y, arguments.get(steps_name), steps_name, name)
+    if isinstance(x, data_adapter.DataAdapter):
+        return args, kwargs
+    policy = resolve_policy(base, x)
+    if policy is not ShardPolicy.DATA:
+        extra = {}
+        if name == "fit":
+            extra = {
+                "shuffle": arguments.get("shuffle", True),
+                "class_weight": arguments.get("class_weight"),
+                "steps_per_epoch": arguments.get("steps_per_epoch"),
+            }
+        else:
+            extra = {"steps_per_epoch": arguments.get("steps")}
+        arguments["x"] = _local_input(
+            engine,
+            policy,
+            x,
+            y,
+            sample_weight,
+            arguments.get("batch_size"),
+            name,
+            **extra,
+        )
+        for key in ("y", "sample_weight", "class_weight"):
+            if key in arguments and arguments[key] is not None:
+                arguments[key] = None
+    validation = arguments.get("validation_data") if name == "fit" else None
+    if validation is not None and not isinstance(
+        validation, data_adapter.DataAdapter
+    ):
+        vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)
+        check_input(
+            vx,
+            vy,
+            arguments.get("validation_steps"),
+            "validation_steps",
+            "validation_data",
+        )
+        vpolicy = resolve_policy(base, vx)
+        if vpolicy is not ShardPolicy.DATA:
+            arguments["validation_data"] = _local_input(
+                engine,
+                vpolicy,
+                vx,
+                vy,
+                vw,
+                arguments.get("validation_batch_size")
+                or arguments.get("batch_size"),
+                "validation_data",
+                steps_per_epoch=arguments.get("validation_steps"),
+            )
+    return bound.args, bound.kwargs
