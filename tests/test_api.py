@@ -113,6 +113,15 @@ def test_model_created_outside_scope_is_refused():
 
 
 @needs_multi
+def test_model_built_in_scope_but_compiled_outside_is_refused():
+    strategy = keras_dist.MirroredStrategy()
+    with strategy.scope():
+        model = build_model()
+    with pytest.raises(keras_dist.StrategyMixingError, match="compile"):
+        compile_model(model)
+
+
+@needs_multi
 def test_layer_built_outside_scope_is_refused():
     dense = keras.layers.Dense(2)
     dense.build((None, 3))

@@ -8,6 +8,8 @@ VENV="${KERAS_DIST_VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   -r requirements/ci.txt -e . || exit 1
 "$VENV/bin/python" -m ruff check keras_dist tests examples benchmarks || exit 1
+"$VENV/bin/python" -m ruff format --check keras_dist tests examples benchmarks \
+  || exit 1
 status=0
 for backend in jax tensorflow torch; do
   echo "=== KERAS_BACKEND=$backend ==="

@@ -51,11 +51,25 @@ def install() -> None:
         strategy = current_strategy()
         if strategy is not None:
             attach(self, strategy)
+        elif strategy_of(self) is None:
+            _refuse_distributed_model_outside_scope(self)
         return result
 
     compile.__keras_dist_original__ = original
     Trainer.compile = compile
     _installed = True
+
+
+def _refuse_distributed_model_outside_scope(model) -> None:
+    from keras_dist._src import backend as backend_lib
+    from keras_dist._src.errors import StrategyMixingError
+
+    if backend_lib.get().variables_distributed(model):
+        raise StrategyMixingError(
+            f"Model {model.name!r} was built inside a strategy's scope but "
+            "compiled outside it, so it would not train replicated. Call "
+            "`model.compile(...)` inside the same `with strategy.scope():`."
+        )
 
 
 def strategy_of(model):

@@ -19,9 +19,10 @@ class ShardPolicy(enum.Enum):
     * ``DATA`` — every worker reads the whole input and keeps its own
       contiguous part of every global batch (exactly once, any input type).
     * ``OFF`` — the input is already sharded: each worker's input is its own
-      share of the data, batched with ``batch_size / num_workers``. Workers
-      agree on a common step count; a worker that runs out first takes part
-      in the remaining steps with empty (masked) batches.
+      share of the data, batched with this worker's `numpy.array_split`
+      share of ``batch_size`` (which stays the global batch). Workers agree
+      on a common step count; a worker that runs out first takes part in the
+      remaining steps with empty batches, so nothing is dropped or repeated.
     """
 
     AUTO = "auto"

@@ -6,6 +6,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
+from keras import tree
+
 from keras_dist._src import backend as backend_lib
 from keras_dist._src import hook
 from keras_dist._src.devices import check_devices_exist
@@ -145,15 +147,22 @@ class Strategy:
 
         Args:
             op: `ReduceOp.SUM` or `ReduceOp.MEAN` (or ``"sum"``/``"mean"``).
-            value: per-replica value, e.g. the result of `run`.
+            value: per-replica value, e.g. the result of `run`, or a
+                nested structure (list, dict) of them.
             axis: if given, also reduce along this axis of every per-replica
                 part (e.g. ``axis=0`` for a mean over all samples).
         """
-        return self._engine.reduce(ReduceOp.from_any(op), value, axis)
+        op = ReduceOp.from_any(op)
+        return tree.map_structure(
+            lambda v: self._engine.reduce(op, v, axis), value
+        )
 
     def gather(self, value, axis: int = 0):
-        """Concatenates the per-replica parts of `value` along `axis`."""
-        return self._engine.gather(value, axis)
+        """Concatenates the per-replica parts of `value` along `axis`.
+
+        `value` may be a nested structure of per-replica values.
+        """
+        return tree.map_structure(lambda v: self._engine.gather(v, axis), value)
 
     def distribute_dataset(self, dataset):
         """Returns `dataset` as an iterable of per-replica batches.

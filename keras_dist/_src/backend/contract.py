@@ -67,6 +67,9 @@ class BackendModule(Protocol):
     def simulate_cpu_devices(self, count: int) -> None:
         """Splits the host CPU into `count` devices; before backend start."""
 
+    def variables_distributed(self, model) -> bool:
+        """Whether `model` has variables placed by a multi-device strategy."""
+
     def create_engine(
         self, devices: Sequence[str], sync_batch_norm: bool, input_options
     ) -> Engine:
@@ -77,6 +80,7 @@ CONTRACT_FUNCTIONS = (
     "list_devices",
     "default_devices",
     "simulate_cpu_devices",
+    "variables_distributed",
     "create_engine",
 )
 ENGINE_METHODS = (

@@ -99,6 +99,17 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
 
 
+_MESHES = set()  # the meshes of keras_dist's engines in this process
+
+
+def variables_distributed(model) -> bool:
+    """Whether a variable of `model` is laid out on a keras_dist mesh."""
+    return any(
+        getattr(getattr(v.value, "sharding", None), "mesh", None) in _MESHES
+        for v in model.variables
+    )
+
+
 class _ExactDataParallel(keras_distribution.DataParallel):
     """`DataParallel` that replicates batches it cannot split evenly."""
 
@@ -170,6 +181,7 @@ class MirroredEngine:
         by_name = _jax_devices_by_name()
         self._jax_devices = [by_name[d] for d in self.devices]
         self.mesh = Mesh(np.array(self._jax_devices), (BATCH_AXIS,))
+        _MESHES.add(self.mesh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.sharded = NamedSharding(self.mesh, PartitionSpec(BATCH_AXIS))
         device_mesh = keras_distribution.DeviceMesh(

@@ -87,6 +87,14 @@ def simulate_cpu_devices(count: int) -> None:
         ) from error
 
 
+def variables_distributed(model) -> bool:
+    """Whether `model` was built in the scope of a keras_dist strategy (and
+    not only of a plain `tf.distribute` one, which keras_dist leaves alone).
+    """
+    strategy = getattr(model, "_distribute_strategy", None)
+    return getattr(type(strategy), "_keras_dist", False)
+
+
 class _EngineBase:
     devices: tuple
 
@@ -223,6 +231,7 @@ class MirroredEngine(_EngineBase):
         def make_train_function(force=False):
             if model.train_function is not None and not force:
                 return model.train_function
+
             def step(data):
                 return model.train_step(_without_count(data))
 
@@ -237,6 +246,7 @@ class MirroredEngine(_EngineBase):
         def make_test_function(force=False):
             if model.test_function is not None and not force:
                 return model.test_function
+
             def step(data):
                 return model.test_step(_without_count(data))
 
@@ -291,6 +301,7 @@ def _new_mirrored_strategy(tf_devices):
         (tf.distribute.MirroredStrategy,),
         {
             "_collective_key_base": 100_000 * _strategies_created,
+            "_keras_dist": True,
             "experimental_distribute_dataset": _distribute_global_batches,
         },
     )

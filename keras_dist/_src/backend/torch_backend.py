@@ -499,6 +499,12 @@ def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def variables_distributed(model) -> bool:
+    """Always False: torch variables are local to each rank's process."""
+    del model
+    return False
+
+
 def create_engine(devices, sync_batch_norm: bool, input_options):
     """Returns this process's engine; starts or joins the job if needed.
 
