@@ -86,6 +86,18 @@ def test_mirrored_matches_single_device(reference, replicas):
     np.testing.assert_allclose(predictions, ref_predictions, atol=1e-5)
 
 
+def test_fit_inside_the_scope(reference):
+    """`fit`/`evaluate`/`predict` called inside the scope behave the same."""
+    strategy = keras_dist.MirroredStrategy()
+    with strategy.scope():
+        model = build_model()
+        compile_model(model)
+        weights, history, evaluation, predictions = _train(model)
+    assert max_relative_difference(reference[0], weights) <= TOLERANCE
+    np.testing.assert_allclose(history["loss"], reference[1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(predictions, reference[3], atol=1e-5)
+
+
 def test_batch_smaller_than_replica_count():
     """Batches of 3 and a last batch of 1 sample on 4 replicas are exact."""
     x, y, sw = make_data(n=10, seed=1)

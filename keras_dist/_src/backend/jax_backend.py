@@ -34,7 +34,9 @@ from keras_dist._src.errors import (
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 NAME = "jax"
-BATCH_AXIS = "batch"
+# keras_dist's own mesh axis name: tells its variables from those of a
+# `keras.distribution` layout (whose meshes compare equal to ours otherwise).
+BATCH_AXIS = "keras_dist_replica"
 
 
 def _jax_devices_by_name() -> dict:
@@ -99,15 +101,13 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
 
 
-_MESHES = set()  # the meshes of keras_dist's engines in this process
-
-
 def variables_distributed(model) -> bool:
     """Whether a variable of `model` is laid out on a keras_dist mesh."""
-    return any(
-        getattr(getattr(v.value, "sharding", None), "mesh", None) in _MESHES
-        for v in model.variables
-    )
+    for variable in model.variables:
+        mesh = getattr(getattr(variable.value, "sharding", None), "mesh", None)
+        if BATCH_AXIS in getattr(mesh, "axis_names", ()):
+            return True
+    return False
 
 
 class _ExactDataParallel(keras_distribution.DataParallel):
@@ -181,7 +181,6 @@ class MirroredEngine:
         by_name = _jax_devices_by_name()
         self._jax_devices = [by_name[d] for d in self.devices]
         self.mesh = Mesh(np.array(self._jax_devices), (BATCH_AXIS,))
-        _MESHES.add(self.mesh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.sharded = NamedSharding(self.mesh, PartitionSpec(BATCH_AXIS))
         device_mesh = keras_distribution.DeviceMesh(
@@ -201,11 +200,18 @@ class MirroredEngine:
         # Variables created here get a replicated layout from Keras itself.
         return self.distribution.scope()
 
+    @contextlib.contextmanager
     def call_scope(self):
-        # fit/evaluate/predict run with no Keras distribution active: the
-        # engine's step functions place state and batches themselves, which
-        # lets a batch that does not divide among replicas be replicated.
-        return contextlib.nullcontext()
+        # fit/evaluate/predict run with no Keras distribution active (also
+        # when called inside `strategy.scope()`): the engine's step functions
+        # place state and batches themselves, which lets a batch that does
+        # not divide among replicas be replicated.
+        active = keras_distribution.distribution()
+        keras_distribution.set_distribution(None)
+        try:
+            yield
+        finally:
+            keras_distribution.set_distribution(active)
 
     def prepare_call(self, name, method, args, kwargs):
         return args, kwargs

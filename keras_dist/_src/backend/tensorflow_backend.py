@@ -24,6 +24,9 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import data_adapters
 from keras.src.trainers.trainer import Trainer
+from tensorflow.python.data.experimental.ops import (
+    distribute as tfdata_distribute,
+)
 
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
@@ -310,11 +313,13 @@ def _new_mirrored_strategy(tf_devices):
 
 _GLOBAL_COUNT = "keras_dist_global_count"
 _BATCH = "keras_dist_batch"
+_LOCAL_COUNT = "keras_dist_local_count"
+_COUNT_PER_SAMPLE = "keras_dist_count_per_sample"
 _EXACT_CALLS = ("fit", "evaluate")
 
 
 def _without_count(data):
-    if isinstance(data, dict) and _GLOBAL_COUNT in data:
+    if isinstance(data, dict) and _BATCH in data:
         return data[_BATCH]
     return data
 
@@ -322,18 +327,46 @@ def _without_count(data):
 def _distribute_global_batches(strategy, dataset, options=None):
     """Splits each global batch of `dataset` across replicas, exactly.
 
-    tf.distribute's own rebatching gives each replica a whole batch when the
-    batch size is unknown statically (input from generators and
-    PyDatasets), which makes the global batch N times too large, and splits
-    a short batch as ceil-sized parts ([3, 3, 3, 1] for 10 over 4).
-    keras_dist splits every batch like `numpy.array_split` ([3, 3, 2, 2]),
-    in sample order, and hands replicas their parts in turn through
-    `distribute_datasets_from_function`. In `fit`/`evaluate` each part also
-    carries the global batch size, so the exact step needs no collective to
-    learn it.
+    Where tf.distribute can rebatch the dataset (its batch size is found in
+    the dataset's graph: arrays, `tf.data` batched with `.batch`), its own
+    fast rebatching splits every global batch; in `fit`/`evaluate` a
+    per-sample copy of the global batch size travels with the data, so the
+    exact step needs no collective to learn it. Elsewhere (input from
+    generators and PyDatasets) tf.distribute would give each replica a whole
+    batch, making the global batch N times too large: keras_dist then splits
+    every batch itself like `numpy.array_split`, in sample order, and hands
+    replicas their parts in turn through `distribute_datasets_from_function`.
     """
     replicas = strategy.num_replicas_in_sync
     with_count = current_call() in _EXACT_CALLS
+    native = tf.distribute.MirroredStrategy.experimental_distribute_dataset
+    if int(tfdata_distribute.compute_batch_size(dataset)) >= 0:
+        if with_count:
+
+            def add_count(*batch):
+                # Each sample carries the global batch size, so the step
+                # needs no collective to learn it. A batch whose size does
+                # not divide by the replica count gets zero samples
+                # (carrying 0) appended up to the next multiple, so that
+                # tf.distribute's ceil-sized parts are never empty (6 over 4
+                # would give 2, 2, 2, 0): with cross-replica
+                # BatchNormalization an empty part aborts the step.
+                batch = batch[0] if len(batch) == 1 else batch
+                leaves = [t for t in tree.flatten(batch) if t is not None]
+                count = tf.shape(leaves[0])[0]
+                missing = (replicas - count % replicas) % replicas
+                batch = tree.map_structure(
+                    lambda t: None if t is None else _pad_rows(t, missing),
+                    batch,
+                )
+                per_sample = tf.concat(
+                    [tf.fill([count], count), tf.zeros([missing], "int32")],
+                    axis=0,
+                )
+                return {_BATCH: batch, _COUNT_PER_SAMPLE: per_sample}
+
+            dataset = dataset.map(add_count)
+        return native(strategy, dataset, options)
 
     def split(*batch):
         batch = batch[0] if len(batch) == 1 else batch
@@ -348,9 +381,20 @@ def _distribute_global_batches(strategy, dataset, options=None):
             shard = tree.map_structure(
                 lambda t: None if t is None else t[start:stop], batch
             )
-            if with_count:
-                return {_BATCH: shard, _GLOBAL_COUNT: count}
-            return shard
+            if not with_count:
+                return shard
+            # An empty part becomes one zero sample (masked in the step):
+            # with cross-replica BatchNormalization an empty shard aborts
+            # the step with a collective shape mismatch.
+            empty = tf.cast(tf.equal(stop, start), "int32")
+            shard = tree.map_structure(
+                lambda t: None if t is None else _pad_rows(t, empty), shard
+            )
+            return {
+                _BATCH: shard,
+                _GLOBAL_COUNT: count,
+                _LOCAL_COUNT: stop - start,
+            }
 
         return tf.data.Dataset.range(replicas).map(part)
 
@@ -370,46 +414,51 @@ def create_engine(devices, sync_batch_norm: bool, input_options):
 
 def _exact_step(engine, model, data, training):
     """One replica's share of an exact global-batch step."""
-    given_count = None
-    if isinstance(data, dict) and _GLOBAL_COUNT in data:
-        given_count = data[_GLOBAL_COUNT]
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    padded_input = isinstance(data, dict) and _BATCH in data
+    rebatched = padded_input and _COUNT_PER_SAMPLE in data
+    if rebatched:  # tf.distribute's rebatching; padding samples carry 0
+        per_sample = data[_COUNT_PER_SAMPLE]
+        local_count = tf.math.count_nonzero(per_sample, dtype="int32")
+        global_count = tf.cast(tf.reduce_max(per_sample), "float32")
+        data = data[_BATCH]
+    elif padded_input:  # keras_dist's own split, already padded
+        global_count = tf.cast(data[_GLOBAL_COUNT], "float32")
+        local_count = data[_LOCAL_COUNT]
         data = data[_BATCH]
     x, y, sample_weight = (
         data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     )
     x = _check_input_shapes(model, x)
-    # Replicas can get shards of different sizes (the last batch of an
-    # epoch), so every replica traces with an unknown batch size.
-    x, y, sample_weight = tree.map_structure(
-        _unknown_batch_size, (x, y, sample_weight)
-    )
-    context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
     first = next(i for i in tree.flatten(x) if i is not None)
-    local_count = tf.shape(first)[0]
-    local = tf.cast(local_count, "float32")
-    if given_count is not None:
-        global_count = tf.cast(given_count, "float32")
-    else:  # train_on_batch: the batch did not come through our dataset
-        global_count = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-
-    # tf.distribute hands an empty shard to some replicas when a batch has
-    # fewer samples than replicas; with cross-replica BatchNormalization
-    # collectives that aborts the step (collective shape mismatch). Such a
-    # replica gets one zero sample of weight 0 instead, masked out of the
-    # loss, the metrics and the BatchNormalization statistics.
-    padding = tf.cast(tf.equal(local_count, 0), "int32")
-    valid = tf.concat([tf.ones([local_count]), tf.zeros([padding])], axis=0)
-    unpadded = (x, y, sample_weight)
-    x, y = tree.map_structure(lambda t: _pad_rows(t, padding), (x, y))
-    if sample_weight is None:
-        sample_weight = valid
-    else:
-        sample_weight = tree.map_structure(
-            lambda t: _pad_rows(t, padding), sample_weight
+    rows = tf.shape(first)[0]
+    if not padded_input:  # train_on_batch: not through our dataset
+        local_count = rows
+        global_count = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(rows, "float32")
         )
-    padded = tf.cast(local_count + padding, "float32")
-    share = tf.math.divide_no_nan(padded * replicas, global_count)
+    unpadded = (x, y, sample_weight)
+    valid = None
+    if padded_input:
+        # An empty part arrives as one zero sample (see
+        # _distribute_global_batches): weight 0 in the loss, left out of
+        # the metrics and of the BatchNormalization statistics.
+        valid = tf.sequence_mask(local_count, rows, dtype="float32")
+        if sample_weight is None:
+            sample_weight = valid
+        else:
+            sample_weight = tree.map_structure(
+                lambda w: None if w is None else w * _expand_like(valid, w),
+                sample_weight,
+            )
+        unpadded = tree.map_structure(
+            lambda t: None if t is None else t[:local_count],
+            (x, y, unpadded[2]),
+        )
+    share = tf.math.divide_no_nan(
+        tf.cast(rows, "float32") * replicas, global_count
+    )
     _REPLICA.valid = valid
 
     with tf.GradientTape() as tape:
@@ -428,8 +477,14 @@ def _exact_step(engine, model, data, training):
         data_loss = zero if data_loss is None else data_loss
         extra_loss = tf.add_n(extra) if extra else tf.zeros_like(data_loss)
         _check_mean_reductions(model)
+        # Keras's loss is a mean over the part's rows, padding included;
+        # the tracker wants the mean over its real samples.
+        real_mean = data_loss * tf.math.divide_no_nan(
+            tf.cast(rows, data_loss.dtype),
+            tf.cast(local_count, data_loss.dtype),
+        )
         model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(data_loss + extra_loss),
+            loss_module.unscale_loss_for_distribution(real_mean + extra_loss),
             sample_weight=local_count,
         )
         loss = data_loss * tf.cast(share, data_loss.dtype) + extra_loss
@@ -448,7 +503,8 @@ def _exact_step(engine, model, data, training):
             )
     # Metrics see the real samples only (unweighted metrics ignore weights).
     x, y, sample_weight = unpadded
-    y_pred = tree.map_structure(lambda t: t[:local_count], y_pred)
+    if padded_input:
+        y_pred = tree.map_structure(lambda t: t[:local_count], y_pred)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
@@ -539,6 +595,12 @@ def _all_reduce_sum(context, value):
 _REPLICA = threading.local()
 
 
+def _expand_like(vector, tensor):
+    """Reshapes a per-sample `vector` to broadcast against `tensor`."""
+    rank = tensor.shape.rank or 1
+    return tf.reshape(vector, [-1] + [1] * (rank - 1))
+
+
 def _pad_rows(tensor, count):
     if tensor is None:
         return None
@@ -549,10 +611,13 @@ def _pad_rows(tensor, count):
 
 
 def _check_input_shapes(model, x):
-    """Asserts at run time that `x` matches the model's input shapes.
+    """Checks at run time that `x` matches the model's input shapes.
 
     Inputs from generators reach the step with unknown dimensions, so a batch
-    of the wrong shape would otherwise fail deep inside a layer.
+    of the wrong shape would otherwise fail deep inside a layer. EnsureShape
+    fails with "Shape of tensor ... is not compatible with expected shape
+    [?, ...]" (an assert with control dependencies cost 5-10 % of a small
+    model's step on CPU).
     """
     try:
         inputs = model.inputs
@@ -566,35 +631,15 @@ def _check_input_shapes(model, x):
         return x
     checked = []
     for spec, tensor in pairs:
-        if not isinstance(tensor, tf.Tensor) or not hasattr(spec, "shape"):
-            checked.append(tensor)
-            continue
-        expected = list(spec.shape)[1:]
-        if len(expected) + 1 != tensor.shape.rank:
-            checked.append(tensor)
-            continue
-        dims = [i for i, d in enumerate(expected) if d is not None]
-        if dims:
-            actual = tf.gather(tf.shape(tensor)[1:], dims)
-            wanted = tf.constant([expected[i] for i in dims], dtype="int32")
-            message = (
-                f"A batch of the input does not match the model's input "
-                f"shape (None, {', '.join(map(str, expected))}); only the "
-                "first (batch) dimension may vary between batches."
-            )
-            with tf.control_dependencies(
-                [tf.debugging.assert_equal(actual, wanted, message=message)]
-            ):
-                tensor = tf.identity(tensor)
+        shape = getattr(spec, "shape", None)
+        if (
+            isinstance(tensor, tf.Tensor)
+            and shape is not None
+            and len(shape) == tensor.shape.rank
+        ):
+            tensor = tf.ensure_shape(tensor, [None] + list(shape)[1:])
         checked.append(tensor)
     return tree.pack_sequence_as(x, checked)
-
-
-def _unknown_batch_size(tensor):
-    if not isinstance(tensor, tf.Tensor) or tensor.shape.rank in (None, 0):
-        return tensor
-    shape = [None] + tensor.shape.as_list()[1:]
-    return tf.compat.v1.placeholder_with_default(tensor, shape=shape)
 
 
 def _check_mean_reductions(model):
