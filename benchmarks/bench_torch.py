@@ -13,8 +13,11 @@ Compares, on the same Conv2D + BatchNormalization + Dense model and data:
 
 Every process uses one thread (``OMP_NUM_THREADS=1``). Run::
 
-    KERAS_BACKEND=torch [BENCH_BATCH=64] python benchmarks/bench_torch.py \
-        [--steps 40]
+    KERAS_BACKEND=torch [BENCH_BATCH=64] [BENCH_SYNC_BN=0] \
+        python benchmarks/bench_torch.py [--steps 40]
+
+``BENCH_SYNC_BN=0`` gives keras_dist per-process BatchNormalization, like
+the DDP baseline.
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ def run_keras_dist(steps):
     """keras_dist MirroredStrategy over 2 gloo processes."""
     import keras_dist
 
-    strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    strategy = keras_dist.MirroredStrategy(
+        devices=["cpu:0", "cpu:1"],
+        sync_batch_norm=os.environ.get("BENCH_SYNC_BN", "1") == "1",
+    )
     x, y = _data(2 * BATCH * (steps + WARMUP))
     with strategy.scope():
         model = _keras_model()
