@@ -1,8 +1,9 @@
 """Train a small CNN on handwritten digits with MirroredStrategy.
 
-The same file runs under KERAS_BACKEND=jax and KERAS_BACKEND=tensorflow.
-With no GPU it simulates 4 CPU devices (KERAS_DIST_CPU_DEVICES, default 4),
-so MirroredStrategy really splits every batch across 4 replicas.
+The same file runs under KERAS_BACKEND=jax, tensorflow and torch. With no
+GPU it simulates 4 CPU devices (KERAS_DIST_CPU_DEVICES, default 4), so
+MirroredStrategy really splits every batch across 4 replicas (on torch: 4
+gloo processes, started by the strategy re-running this script).
 
     python examples/train_digits.py [--epochs 8] [--batch-size 128]
 """
@@ -61,7 +62,8 @@ def main():
     x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
 
     strategy = keras_dist.MirroredStrategy()
-    print(
+    say = print if strategy.is_chief else (lambda *a, **k: None)
+    say(
         f"backend={keras.backend.backend()} "
         f"replicas={strategy.num_replicas_in_sync} "
         f"devices={list(strategy.devices)}"
@@ -82,7 +84,7 @@ def main():
         verbose=2,
     )
     loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    print(f"test loss={loss:.4f} test accuracy={accuracy:.4f}")
+    say(f"test loss={loss:.4f} test accuracy={accuracy:.4f}")
 
 
 if __name__ == "__main__":

@@ -43,11 +43,8 @@ def test_distributed_training_guide_runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    keras.backend.backend() not in ("jax", "tensorflow"),
-    reason="the example runs on single-process backends",
-)
 def test_main_example_trains(tmp_path):
+    """The README's example trains on every backend (torch: 4 processes)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -66,6 +63,6 @@ def test_main_example_trains(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "replicas=4" in out.stdout
+    assert out.stdout.count("replicas=4") == 1  # printed by the chief only
     accuracy = float(re.search(r"test accuracy=([\d.]+)", out.stdout)[1])
     assert accuracy > 0.9

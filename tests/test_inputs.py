@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_dist
-from tests.utils import compile_model, make_data, max_relative_difference
+from tests.utils import compiled_model, make_data, max_relative_difference
 
 pytestmark = [
     pytest.mark.multi_device,
@@ -124,13 +124,7 @@ def _fit_kwargs(kind):
 
 def _train(strategy, kind):
     kwargs = _fit_kwargs(kind)
-    if strategy is None:
-        model = build()
-        compile_model(model)
-    else:
-        with strategy.scope():
-            model = build()
-            compile_model(model)
+    model = compiled_model(strategy, build=build)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         history = model.fit(epochs=EPOCHS, shuffle=False, verbose=0, **kwargs)
@@ -173,13 +167,7 @@ def test_shuffling_is_the_same_whatever_the_replica_count():
     x, y, sw = data()
 
     def run(strategy):
-        if strategy is None:
-            model = build()
-            compile_model(model)
-        else:
-            with strategy.scope():
-                model = build()
-                compile_model(model)
+        model = compiled_model(strategy, build=build)
         keras.utils.set_random_seed(123)  # the shuffle seed
         model.fit(
             x,

@@ -12,6 +12,7 @@ import keras_dist
 from tests.utils import (
     build_model,
     compile_model,
+    compiled_model,
     make_data,
     max_relative_difference,
 )
@@ -103,13 +104,7 @@ def test_batch_smaller_than_replica_count():
     x, y, sw = make_data(n=10, seed=1)
 
     def run(strategy):
-        if strategy is None:
-            model = build_model(seed=3)
-            compile_model(model)
-        else:
-            with strategy.scope():
-                model = build_model(seed=3)
-                compile_model(model)
+        model = compiled_model(strategy, seed=3)
         history = model.fit(
             x,
             y,
@@ -156,13 +151,7 @@ def test_batch_norm_statistics_global_by_default_per_replica_on_request():
     x, y = x[:64], y[:64]
 
     def moving_variance(strategy):
-        if strategy is None:
-            model = build_model(bn_momentum=0.0)
-            compile_model(model)
-        else:
-            with strategy.scope():
-                model = build_model(bn_momentum=0.0)
-                compile_model(model)
+        model = compiled_model(strategy, bn_momentum=0.0)
         model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         bn = next(
             layer

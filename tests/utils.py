@@ -17,6 +17,21 @@ def build_model(seed=0, dropout=0.0, bn_momentum=0.99):
     return keras.Model(inputs, outputs)
 
 
+def compiled_model(strategy=None, build=None, **build_kwargs):
+    """Builds (with `build`, default `build_model`) and compiles a model,
+    inside `strategy.scope()` when a strategy is given, else in plain
+    Keras on one device."""
+    build = build or build_model
+    if strategy is None:
+        model = build(**build_kwargs)
+        compile_model(model)
+        return model
+    with strategy.scope():
+        model = build(**build_kwargs)
+        compile_model(model)
+    return model
+
+
 def make_data(n=90, seed=0):
     """Images, integer labels and positive sample weights."""
     rng = np.random.default_rng(seed)

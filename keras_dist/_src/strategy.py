@@ -73,6 +73,13 @@ class Strategy:
         return self._devices
 
     @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (worker 0), the one that should
+        print and write files. Always True where one process drives every
+        device (JAX, TensorFlow); rank 0 on torch."""
+        return self._engine.is_chief
+
+    @property
     def input_options(self) -> InputOptions:
         """How input is sharded between workers (`InputOptions`)."""
         return self._input_options

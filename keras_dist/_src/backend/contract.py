@@ -18,6 +18,7 @@ class Engine(Protocol):
     """Runs replicated computation on a fixed list of devices."""
 
     devices: tuple[str, ...]
+    is_chief: bool  # this process prints and writes files
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -127,6 +127,8 @@ class _ExactDataParallel(keras_distribution.DataParallel):
 class OneDeviceEngine:
     """Everything placed on one device; Keras's own step, unchanged."""
 
+    is_chief = True  # one process drives every device
+
     def __init__(self, device: str):
         self.devices = (device,)
         self._device = _jax_devices_by_name()[device]
@@ -174,6 +176,8 @@ class OneDeviceEngine:
 
 class MirroredEngine:
     """Replicated variables, batch-sharded data, one jitted SPMD step."""
+
+    is_chief = True  # one process drives every device
 
     def __init__(self, devices, sync_batch_norm: bool):
         self.sync_batch_norm = bool(sync_batch_norm)

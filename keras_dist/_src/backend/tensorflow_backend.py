@@ -100,6 +100,7 @@ def variables_distributed(model) -> bool:
 
 class _EngineBase:
     devices: tuple
+    is_chief = True  # one process drives every device
 
     def local_results(self, value):
         return tuple(self.tf_strategy.experimental_local_results(value))

@@ -291,6 +291,8 @@ def _install_excepthook(job: _Job) -> None:
 class OneDeviceEngine:
     """Keras's own torch step on one device, no process group."""
 
+    is_chief = True
+
     def __init__(self, device: str):
         self.devices = (device,)
         self._device = _torch_device(device)
