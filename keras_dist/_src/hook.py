@@ -12,7 +12,9 @@ only when a keras_dist scope is active, attaches the model to that strategy:
   engine's call scope, with arguments the engine may adjust
   (``Engine.prepare_call``: e.g. no progress bar on non-chief ranks).
 
-Models compiled outside every scope are not touched. If a Keras release moves
+A model compiled outside every scope is not touched, unless its variables
+were created in a keras_dist scope: then compiling it there is refused with a
+clear error (it would not train replicated). If a Keras release moves
 `Trainer.compile`, this file is the one that breaks.
 """
 
