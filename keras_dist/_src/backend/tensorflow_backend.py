@@ -554,8 +554,15 @@ def _global_moments(context, inputs, axes, valid):
     x = tf.cast(inputs, "float32")
     weight = tf.ones_like(x)
     if valid is not None:
+        # The mask is per sample of the step's batch; a layer whose first
+        # axis is something else (after a reshape) is left unmasked.
         rank = x.shape.rank
-        weight *= tf.reshape(valid, [-1] + [1] * (rank - 1))
+        mask = tf.reshape(valid, [-1] + [1] * (rank - 1))
+        weight = tf.cond(
+            tf.equal(tf.shape(valid)[0], tf.shape(x)[0]),
+            lambda: weight * mask,
+            lambda: weight,
+        )
     sums = tf.stack(
         [
             tf.reduce_sum(x * weight, axis=axes),
