@@ -67,25 +67,21 @@ def _time_keras_fit(model, x, y, batch, steps):
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    model.fit(
-        x,
-        y,
-        batch_size=batch,
-        epochs=1,
-        steps_per_epoch=WARMUP,
-        shuffle=False,
-        verbose=0,
-    )
+
+    def fit(steps_per_epoch):
+        model.fit(
+            x,
+            y,
+            batch_size=batch,
+            epochs=1,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=False,
+            verbose=0,
+        )
+
+    fit(WARMUP)
     start = time.perf_counter()
-    model.fit(
-        x,
-        y,
-        batch_size=batch,
-        epochs=1,
-        steps_per_epoch=steps,
-        shuffle=False,
-        verbose=0,
-    )
+    fit(steps)
     return (time.perf_counter() - start) / steps
 
 

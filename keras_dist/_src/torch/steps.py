@@ -440,18 +440,24 @@ class StepFunctions:
     # -- test -----------------------------------------------------------------
     def make_test_function(self, force=False):
         """Builds the replicated test function (exact metrics)."""
+        return self._make_inference_function(
+            "test_function", self.test_step, force
+        )
+
+    def _make_inference_function(self, attribute, step, force):
+        """Sets `model.<attribute>` to run `step` without gradients."""
         model = self.model
-        if model.test_function is not None and not force:
-            return model.test_function
+        if getattr(model, attribute) is not None and not force:
+            return getattr(model, attribute)
         self._check_steps_per_execution()
         self.sync_state()
 
         def one_step_on_data(data):
             with torch.no_grad():
-                return self.test_step(data[0])
+                return step(data[0])
 
-        model.test_function = one_step_on_data
-        return model.test_function
+        setattr(model, attribute, one_step_on_data)
+        return one_step_on_data
 
     def test_step(self, data):
         """Evaluates this rank's shard; metric state summed over ranks."""
@@ -476,18 +482,9 @@ class StepFunctions:
     # -- predict --------------------------------------------------------------
     def make_predict_function(self, force=False):
         """Builds the replicated predict function (gathered outputs)."""
-        model = self.model
-        if model.predict_function is not None and not force:
-            return model.predict_function
-        self._check_steps_per_execution()
-        self.sync_state()
-
-        def one_step_on_data(data):
-            with torch.no_grad():
-                return self.predict_step(data[0])
-
-        model.predict_function = one_step_on_data
-        return model.predict_function
+        return self._make_inference_function(
+            "predict_function", self.predict_step, force
+        )
 
     def predict_step(self, data):
         """Predicts this rank's shard; returns the whole batch's outputs."""
