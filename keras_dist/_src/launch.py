@@ -26,7 +26,8 @@ import time
 ERROR_KEY = "keras_dist/error"
 ENV_LAUNCHED = "KERAS_DIST_LAUNCHED"
 ENV_NO_LAUNCH = "KERAS_DIST_NO_LAUNCH"
-POLL_SECONDS = 0.5
+# How often watch threads poll; tests set it low to widen exit-time races.
+POLL_SECONDS = float(os.environ.get("KERAS_DIST_POLL_SECONDS", "0.5"))
 EXIT_CODE = 1
 
 
@@ -207,6 +208,11 @@ class Supervisor:
     def wait_at_exit(self) -> None:
         """Waits for the children at rank 0's exit; kills stragglers."""
         self._stopping.set()
+        if self._thread is not threading.current_thread():
+            # A watch thread in `fail` ends the process itself; one still
+            # polling stops within POLL_SECONDS. Either way it must not be
+            # running when the interpreter finalizes (see `Watchdog`).
+            self._thread.join(self.exit_timeout)
         deadline = time.monotonic() + self.exit_timeout
         failed = []
         for rank, proc in self.children.items():
@@ -260,6 +266,12 @@ class Watchdog:
     rank 0 died). On a failure it runs `on_stop` (e.g. stop child
     processes), prints the failing rank's error and ``os._exit``\\ s.
 
+    `stop` must run before the interpreter finalizes (the backend calls it
+    from its exit handler): a daemon thread that is inside a store call
+    when Python finalizes is ended by ``pthread_exit``, and unwinding
+    through the binding's GIL guard aborts the process ("terminate called
+    without an active exception").
+
     Args:
         rank: this process's rank (for messages).
         check_error: returns a reported failure line or None.
@@ -284,10 +296,16 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the watch and waits for its thread (at a normal exit)."""
+        self.muted.set()
+        self.stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     def _watch(self) -> None:
         store_failures = 0
-        while not self.stopped.is_set():
-            time.sleep(POLL_SECONDS)
+        while not self.stopped.wait(POLL_SECONDS):
             if self.watch_parent and os.getppid() != self.parent:
                 self._stop("the launcher process (rank 0) died")
             try:

@@ -191,6 +191,11 @@ class _Job:
         if self.watchdog is not None:
             self.watchdog.muted.set()
 
+    def stop_watchdog(self) -> None:
+        """Ends the watchdog thread before the interpreter finalizes."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
 
 _job: _Job | None = None
 
@@ -264,6 +269,7 @@ def _start_job(devices) -> _Job:
 
 def _shutdown() -> None:
     if _job is not None:
+        _job.stop_watchdog()
         if _job.supervisor is not None:
             # Keep the rendezvous store (hosted here) alive until every
             # child is done; exits non-zero if one of them failed.
