@@ -1,24 +1,31 @@
 """Step time of keras_dist on torch (2 gloo processes) against baselines.
 
-Compares, on the same Conv2D + BatchNormalization + Dense model and data:
+Compares, on the same model and data:
 
 * ``keras_dist``: `MirroredStrategy` over 2 CPU processes (gloo), global
   batch ``2 * B``;
 * ``keras``: Keras on torch in one process with batch ``B`` (the same
   per-process batch): the target is keras_dist / keras <= 1.10;
 * ``keras_x2``: two of those one-process Keras fits at the same time, so
-  that both cores are busy as they are with keras_dist's two ranks: on a
-  2-core machine the one-process baseline has a core to spare, which the
-  two ranks do not;
-* ``ddp``: a hand-written PyTorch loop with `DistributedDataParallel` over
-  2 gloo processes, batch ``B`` per process (torch's `SyncBatchNorm` only
-  runs on GPUs, so on a CPU this baseline uses per-process BatchNorm and
-  does less communication than keras_dist).
+  that both cores are busy as they are with keras_dist's two ranks;
+* ``torch``: a plain PyTorch loop in one process, batch ``B``;
+* ``ddp``: the same loop with `DistributedDataParallel` over 2 gloo
+  processes, batch ``B`` per process (torch's `SyncBatchNorm` only runs on
+  GPUs, so on a CPU this baseline uses per-process BatchNorm and does less
+  communication than keras_dist). ``ddp / torch`` is what the gradient
+  all-reduce costs torch itself: the floor for ``keras_dist / keras``.
+
+Two models (``BENCH_MODEL``): ``dense`` (default) is two 3x3 convolutions,
+BatchNormalization, then Flatten and Dense(64): 2.1 M parameters, an 8 MB
+gradient per step, so gloo's all-reduce dominates. ``pooled`` is three
+convolutions with max and global-average pooling: 29 k parameters
+(a 0.12 MB gradient), compute-bound like most convolutional networks.
 
 Every process uses one thread (``OMP_NUM_THREADS=1``). Run::
 
-    KERAS_BACKEND=torch [BENCH_BATCH=64] [BENCH_SYNC_BN=0] \
-        python benchmarks/bench_torch.py [--steps 40]
+    KERAS_BACKEND=torch [BENCH_MODEL=pooled] [BENCH_BATCH=64] \\
+        [BENCH_SYNC_BN=0] python benchmarks/bench_torch.py \\
+        [--steps 40] [--repeats 3]
 
 ``BENCH_SYNC_BN=0`` gives keras_dist per-process BatchNormalization, like
 the DDP baseline.
@@ -36,6 +43,7 @@ import time
 import numpy as np
 
 BATCH = int(os.environ.get("BENCH_BATCH", "64"))
+MODEL = os.environ.get("BENCH_MODEL", "dense")
 WARMUP = 5
 
 
@@ -49,15 +57,53 @@ def _data(samples):
 def _keras_model():
     import keras
 
+    layers = keras.layers
     inp = keras.Input((32, 32, 3))
     h = inp
-    for filters in (16, 32):
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
-        h = keras.layers.BatchNormalization()(h)
-        h = keras.layers.Activation("relu")(h)
-    h = keras.layers.Flatten()(h)
-    h = keras.layers.Dense(64, activation="relu")(h)
-    return keras.Model(inp, keras.layers.Dense(10)(h))
+    filters = (16, 32) if MODEL == "dense" else (32, 32, 64)
+    for i, f in enumerate(filters):
+        if MODEL == "pooled" and i == 2:
+            h = layers.MaxPooling2D(2)(h)
+        h = layers.Conv2D(f, 3, padding="same", use_bias=False)(h)
+        h = layers.BatchNormalization()(h)
+        h = layers.Activation("relu")(h)
+    if MODEL == "dense":
+        h = layers.Flatten()(h)
+        h = layers.Dense(64, activation="relu")(h)
+    else:
+        h = layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inp, layers.Dense(10)(h))
+
+
+def _torch_model():
+    """The same architecture as `_keras_model`, in plain torch."""
+    from torch import nn
+
+    def block(cin, cout):
+        return [
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+        ]
+
+    if MODEL == "dense":
+        return nn.Sequential(
+            *block(3, 16),
+            *block(16, 32),
+            nn.Flatten(),
+            nn.Linear(32 * 32 * 32, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+    return nn.Sequential(
+        *block(3, 32),
+        *block(32, 32),
+        nn.MaxPool2d(2),
+        *block(32, 64),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
 
 
 def _time_keras_fit(model, x, y, batch, steps):
@@ -108,6 +154,42 @@ def run_keras_dist(steps):
     return seconds
 
 
+def _time_torch_loop(module, parameters, rank, world, steps, sync=None):
+    """Seconds per step of a plain torch loop, batch `BATCH` per process."""
+    import torch
+    from torch import nn
+
+    optimizer = torch.optim.SGD(parameters, lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = _data(world * BATCH * (steps + WARMUP))
+    x = torch.as_tensor(x).permute(0, 3, 1, 2).contiguous()
+    y = torch.as_tensor(y)
+
+    def step(i):
+        lo = (world * i + rank) * BATCH
+        optimizer.zero_grad()
+        loss = loss_fn(module(x[lo : lo + BATCH]), y[lo : lo + BATCH])
+        loss.backward()
+        optimizer.step()
+
+    for i in range(WARMUP):
+        step(i)
+    if sync:
+        sync()
+    start = time.perf_counter()
+    for i in range(WARMUP, WARMUP + steps):
+        step(i)
+    if sync:
+        sync()
+    return (time.perf_counter() - start) / steps
+
+
+def run_torch(steps):
+    """Plain torch in one process, batch `BATCH`: DDP's own anchor."""
+    model = _torch_model()
+    return _time_torch_loop(model, model.parameters(), 0, 1, steps)
+
+
 def run_ddp(steps):
     """Hand-written torch DDP over 2 gloo processes."""
     import torch
@@ -129,49 +211,25 @@ def run_ddp(steps):
         children = {}
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1, bias=False),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(32 * 32 * 32, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    )
+    model = _torch_model()
     if torch.cuda.is_available():  # SyncBatchNorm is GPU-only in torch.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    loss_fn = nn.CrossEntropyLoss()
-    x, y = _data(2 * BATCH * (steps + WARMUP))
-    x = torch.as_tensor(x).permute(0, 3, 1, 2).contiguous()
-    y = torch.as_tensor(y)
-
-    def step(i):
-        lo = (2 * i + rank) * BATCH
-        optimizer.zero_grad()
-        loss = loss_fn(ddp(x[lo : lo + BATCH]), y[lo : lo + BATCH])
-        loss.backward()
-        optimizer.step()
-
-    for i in range(WARMUP):
-        step(i)
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(WARMUP, WARMUP + steps):
-        step(i)
-    dist.barrier()
-    seconds = (time.perf_counter() - start) / steps
+    seconds = _time_torch_loop(
+        ddp, ddp.parameters(), rank, 2, steps, sync=dist.barrier
+    )
     dist.destroy_process_group()
     for proc in children.values():
         proc.wait()
     return seconds if rank == 0 else None
 
 
-MODES = {"keras": run_keras, "keras_dist": run_keras_dist, "ddp": run_ddp}
+MODES = {
+    "keras": run_keras,
+    "keras_dist": run_keras_dist,
+    "torch": run_torch,
+    "ddp": run_ddp,
+}
 
 
 def _start(mode, steps):
@@ -208,6 +266,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=sorted(MODES))
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.mode:
         seconds = MODES[args.mode](args.steps)
@@ -215,21 +274,27 @@ def main():
             print(f"STEP_SECONDS {seconds:.6f}", flush=True)
         return
     modes = [*MODES, "keras_x2"]
-    times = {mode: _measure(mode, args.steps) for mode in modes}
+    runs = {mode: [] for mode in modes}
+    for _ in range(args.repeats):  # interleaved, so drift hits every mode
+        for mode in modes:
+            runs[mode].append(_measure(mode, args.steps))
+    times = {mode: float(np.median(values)) for mode, values in runs.items()}
+    print(f"median of {args.repeats} interleaved runs, model {MODEL!r}:")
     for mode, seconds in times.items():
         print(f"{mode:>11}: {1000 * seconds:8.2f} ms/step")
-    print(
-        f"keras_dist / keras (1 process, same per-process batch): "
-        f"{times['keras_dist'] / times['keras']:.3f} (target <= 1.10)"
-    )
-    print(
-        f"keras_dist / keras_x2 (2 independent 1-process fits at once): "
-        f"{times['keras_dist'] / times['keras_x2']:.3f}"
-    )
-    print(
-        f"keras_dist / hand-written torch DDP (2 processes): "
-        f"{times['keras_dist'] / times['ddp']:.3f}"
-    )
+    ratios = [
+        ("keras_dist", "keras", "(target <= 1.10)"),
+        ("keras_dist", "keras_x2", ""),
+        ("keras_dist", "ddp", ""),
+        ("ddp", "torch", "(what gloo costs torch itself)"),
+    ]
+    for a, b, note in ratios:
+        # The ratio of medians, and the median of the per-repeat ratios.
+        paired = np.median(np.array(runs[a]) / np.array(runs[b]))
+        print(
+            f"{a} / {b}: {times[a] / times[b]:.3f} "
+            f"(per-repeat median {paired:.3f}) {note}"
+        )
 
 
 if __name__ == "__main__":
