@@ -1,4 +1,11 @@
-"""Shared helpers: the parity model, its data and weight comparison."""
+"""Shared helpers: the parity model, its data, weight comparison, and
+running a script in its own (torch multi-process) Python."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import keras
 import numpy as np
@@ -59,3 +66,38 @@ def max_relative_difference(weights_a, weights_b):
             worst, np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12)
         )
     return worst
+
+
+def npz_max_relative_difference(a, b):
+    """`max_relative_difference` of two loaded ``.npz`` weight files."""
+    return max_relative_difference(
+        [a[key] for key in a.files], [b[key] for key in a.files]
+    )
+
+
+def run_torch_script(
+    directory, source, args=(), timeout=180, env=None, name="script.py"
+):
+    """Writes `source` to ``directory/name`` and runs it under torch.
+
+    The script starts its own ranks (it is not run under pytest), with one
+    thread per process; `env` adds to the environment.
+
+    Returns:
+        ``(CompletedProcess, seconds)``.
+    """
+    script = directory / name
+    script.write_text(textwrap.dedent(source))
+    env = dict(
+        os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", **(env or {})
+    )
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - start

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from concurrent import futures
 
 import numpy as np
@@ -23,6 +22,7 @@ if keras.backend.backend() != "torch":
 
 from keras_dist import ShardPolicy  # noqa: E402
 from keras_dist._src.torch import inputs  # noqa: E402
+from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
 
 PRELUDE = """
 import json, os, random, sys
@@ -293,33 +293,9 @@ elif case == "off_all_empty":
 
 
 def _run(tmp_path, body, args, timeout=150, name="script.py"):
-    script = tmp_path / name
-    script.write_text(PRELUDE + textwrap.dedent(body))
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="torch",
-        OMP_NUM_THREADS="1",
-        KERAS_DIST_CPU_DEVICES="2",
-        TF_CPP_MIN_LOG_LEVEL="3",
-    )
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc, time.monotonic() - start
-
-
-def _relative_difference(a, b):
-    worst = 0.0
-    for key in a.files:
-        scale = max(float(np.abs(a[key]).max()), 1e-12)
-        worst = max(worst, float(np.abs(a[key] - b[key]).max()) / scale)
-    return worst
+    env = {"KERAS_DIST_CPU_DEVICES": "2", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    source = PRELUDE + textwrap.dedent(body)
+    return run_torch_script(tmp_path, source, args, timeout, env, name)
 
 
 def _compare(tmp_path, names, ranks=2):
@@ -334,7 +310,7 @@ def _compare(tmp_path, names, ranks=2):
         for rank in range(ranks):
             path = tmp_path / f"two.{name}.r{rank}"
             weights = np.load(f"{path}.npz")
-            diff = _relative_difference(ref, weights)
+            diff = npz_max_relative_difference(ref, weights)
             worst = max(worst, diff)
             assert diff <= 1e-5, (name, rank, diff)
             logs = json.loads(open(f"{path}.json").read())

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -23,6 +21,7 @@ if keras.backend.backend() != "torch":
 
 from keras_dist._src import launch  # noqa: E402
 from keras_dist._src.backend import torch_backend  # noqa: E402
+from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
 
 PRELUDE = """
 import json, os, signal, sys
@@ -105,31 +104,11 @@ model.fit(np.ones((64, 4)), np.ones((64,)), batch_size=4, epochs=100,
 
 
 def _run(tmp_path, body, args, timeout=180, devices=None, env=None):
-    script = tmp_path / "script.py"
-    script.write_text(PRELUDE + textwrap.dedent(body))
-    env = dict(
-        os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", **(env or {})
-    )
+    env = dict(env or {})
     if devices:
         env["KERAS_DIST_CPU_DEVICES"] = str(devices)
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc, time.monotonic() - start
-
-
-def _max_relative_difference(a, b):
-    worst = 0.0
-    for key in a.files:
-        scale = max(float(np.abs(a[key]).max()), 1e-12)
-        worst = max(worst, float(np.abs(a[key] - b[key]).max()) / scale)
-    return worst
+    source = PRELUDE + textwrap.dedent(body)
+    return run_torch_script(tmp_path, source, args, timeout, env)
 
 
 # -- unit tests (no processes) -------------------------------------------------
@@ -174,7 +153,7 @@ def test_parity_with_one_device(tmp_path):
         assert proc.stdout.count("Epoch 1/4") == 1  # only rank 0 prints
         for rank in range(n):
             weights = np.load(tmp_path / f"n{n}.r{rank}.npz")
-            diff = _max_relative_difference(reference, weights)
+            diff = npz_max_relative_difference(reference, weights)
             differences[(n, rank)] = diff
             assert diff <= 1e-5, (n, rank, diff)
             logs = json.loads((tmp_path / f"n{n}.r{rank}.json").read_text())
@@ -194,7 +173,7 @@ def test_parity_with_one_device(tmp_path):
         first = np.load(tmp_path / f"n{n}.r0.npz")
         for rank in range(1, n):
             other = np.load(tmp_path / f"n{n}.r{rank}.npz")
-            assert _max_relative_difference(first, other) == 0.0
+            assert npz_max_relative_difference(first, other) == 0.0
     print("max relative weight difference:", differences)
 
 
@@ -295,3 +274,81 @@ def test_clean_exit_while_watchdog_polls(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
+
+
+DEFERRED_METRICS = """
+from keras_dist._src.torch import steps as torch_steps
+
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+rank = int(os.environ["RANK"])
+syncs = []
+original = torch_steps.all_reduce_metric_deltas
+
+
+def counted(*args):
+    syncs.append(1)
+    return original(*args)
+
+
+torch_steps.all_reduce_metric_deltas = counted
+rng = np.random.default_rng(0)
+x = rng.normal(size=(60, 5)).astype("float32")
+y = (x @ rng.normal(size=(5, 1))).astype("float32")
+
+
+class Seen(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+
+
+def train(deferred):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=["mae"])
+    seen = Seen()
+    syncs.clear()
+    # 60 samples / 8 = 8 steps per epoch, the last one uneven.
+    history = model.fit(
+        x, y, batch_size=8, epochs=3, shuffle=False,
+        validation_data=(x[:20], y[:20]),
+        verbose=0 if deferred else 2, callbacks=[] if deferred else [seen])
+    evaluation = model.evaluate(x, y, batch_size=8, verbose=0,
+                                return_dict=True)
+    return {"history": history.history, "evaluate": evaluation,
+            "syncs": len(syncs), "seen": seen.losses}
+
+
+with open(f"{out}.r{rank}.json", "w") as f:
+    json.dump({"deferred": train(True), "per_step": train(False)}, f)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_metric_sync_deferred_until_read(tmp_path):
+    proc, _ = _run(tmp_path, DEFERRED_METRICS, [tmp_path / "m"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [
+        json.loads((tmp_path / f"m.r{r}.json").read_text()) for r in (0, 1)
+    ]
+    deferred, per_step = ranks[0]["deferred"], ranks[0]["per_step"]
+    # Nothing reads per-step values: one all-reduce per epoch (training and
+    # validation) and one for `evaluate`, instead of one per step.
+    assert deferred["syncs"] == 3 * 2 + 1
+    assert per_step["syncs"] >= 3 * 8
+    for key in ("history", "evaluate"):
+        for name, values in per_step[key].items():
+            np.testing.assert_allclose(
+                deferred[key][name], values, rtol=1e-6, err_msg=name
+            )
+    # Every rank holds the same values, per step too.
+    for mode in ("deferred", "per_step"):
+        for key in ("history", "evaluate", "seen"):
+            assert ranks[1][mode][key] == ranks[0][mode][key], (mode, key)
+    assert len(per_step["seen"]) == 3 * 8

@@ -368,6 +368,9 @@ class MirroredEngine:
         # Set by the input of FILE/OFF policies: the next batch is local.
         self.local_batches = LocalBatchTracker()
         self.input_options = None
+        # Per call in progress (innermost last): whether nothing reads the
+        # per-step metric values, so their all-reduce can wait until read.
+        self._defer_metrics = []
 
     @property
     def rank(self) -> int:
@@ -395,6 +398,7 @@ class MirroredEngine:
     def call_scope(self):
         from keras_dist._src.torch import steps
 
+        self._defer_metrics.append(False)
         try:
             self.local_batches.pending = None
             steps.sync_shuffle_seed(self)
@@ -402,12 +406,25 @@ class MirroredEngine:
         except BaseException as error:
             self._raise_failure(error)
             raise
+        finally:
+            self._defer_metrics.pop()
+
+    @property
+    def defer_metric_sync(self) -> bool:
+        """Whether the call in progress reads metric values only at its end."""
+        return bool(self._defer_metrics) and self._defer_metrics[-1]
 
     def prepare_call(self, name, method, args, kwargs):
         from keras_dist._src.torch import inputs, steps
 
         if name not in ("fit", "evaluate", "predict"):
             return args, kwargs
+        if self._defer_metrics:
+            # Decided on the caller's arguments, before rank 0's callbacks
+            # are gated: every rank must make the same collectives.
+            self._defer_metrics[-1] = not steps.reads_batch_logs(
+                name, method, args, kwargs
+            )
         args, kwargs = inputs.prepare_arguments(
             self, name, method, args, kwargs
         )

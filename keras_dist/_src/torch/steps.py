@@ -96,6 +96,50 @@ def gate_call_arguments(engine, method, args, kwargs):
     return bound.args, bound.kwargs
 
 
+_BATCH_HOOKS = {
+    "fit": ("on_train_batch_begin", "on_train_batch_end"),
+    "evaluate": ("on_test_batch_begin", "on_test_batch_end"),
+}
+
+
+def _implements(callback, hook) -> bool:
+    # Keras marks its no-op hooks with `_is_default` (as its CallbackList
+    # does to skip batch hooks); anything else counts as implemented.
+    method = getattr(callback, hook, None)
+    return method is not None and not getattr(method, "_is_default", False)
+
+
+def reads_batch_logs(name, method, args, kwargs) -> bool:
+    """Whether a `fit`/`evaluate` call reads metric values after each step.
+
+    True when the progress bar updates every step (``verbose`` 1 or
+    ``"auto"``, except in `fit`'s validation) or a callback other than
+    `History` and the progress bar implements a batch hook (``on_batch_*``
+    included). When False, keras_dist
+    all-reduces metric updates once, when the values are read at the end of
+    the epoch, instead of after every step. Computed from the caller's
+    arguments, so it is the same on every rank.
+    """
+    hooks = _BATCH_HOOKS.get(name)
+    if hooks is None:
+        return True
+    arguments = inspect.signature(method).bind(*args, **kwargs).arguments
+    callbacks = arguments.get("callbacks") or []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        # `fit`'s validation: its progress bar ignores evaluation steps.
+        callbacks = callbacks.callbacks
+    elif arguments.get("verbose", "auto") in ("auto", 1):
+        return True
+    quiet = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
+    hooks = (*hooks, "on_batch_begin", "on_batch_end")
+    return any(
+        _implements(callback, hook)
+        for callback in callbacks
+        if not isinstance(callback, quiet)
+        for hook in hooks
+    )
+
+
 def check_variables(engine, model) -> None:
     """Raises if a variable is not on this rank's device."""
     if engine.device.type != "cuda":
@@ -263,9 +307,13 @@ class StepFunctions:
         self.model = model
         self.ddp = None
         self._synced = set()
+        # Metric values before the first step whose all-reduce is deferred.
+        self._unsynced_since = None
+        self._in_step = False
 
     def install(self) -> None:
-        """Replaces the model's step-function factories (on the instance)."""
+        """Replaces the model's step-function factories and its metric
+        reads and resets (on the instance)."""
         model = self.model
         engine = self.engine
         engine.bn_sync_active = False
@@ -290,6 +338,23 @@ class StepFunctions:
                     layer.__dict__["_moments"] = _sync_moments(
                         engine, layer, original
                     )
+
+        def get_metrics_result():
+            # Keras's `compute_metrics` reads the values inside the step:
+            # those reads stay local (a rank with no samples skips them).
+            if not self._in_step:
+                self.sync_metrics()
+            return cls.get_metrics_result(model)
+
+        def reset_metrics():
+            self._unsynced_since = None
+            self._in_step = False  # in case a step raised
+            cls.reset_metrics(model)
+
+        get_metrics_result.__doc__ = cls.get_metrics_result.__doc__
+        reset_metrics.__doc__ = cls.reset_metrics.__doc__
+        model.__dict__["get_metrics_result"] = get_metrics_result
+        model.__dict__["reset_metrics"] = reset_metrics
         model.__dict__["make_train_function"] = self.make_train_function
         model.__dict__["make_test_function"] = self.make_test_function
         model.__dict__["make_predict_function"] = self.make_predict_function
@@ -298,6 +363,42 @@ class StepFunctions:
         model.predict_function = None
         if model.built:
             self.sync_state()
+
+    # -- metrics --------------------------------------------------------------
+    def _metrics_before_step(self):
+        """Snapshot of the metric variables, unless a deferred one covers
+        this step."""
+        self._in_step = True
+        if self.engine.defer_metric_sync and self._unsynced_since is not None:
+            return None
+        return _metric_snapshot(list(self.model.metrics_variables))
+
+    def _metrics_after_step(self, before):
+        """Sums this step's metric updates over ranks, or defers that."""
+        self._in_step = False
+        if self.engine.defer_metric_sync:
+            if self._unsynced_since is None:
+                self._unsynced_since = before
+            return
+        if self._unsynced_since is not None:
+            before, self._unsynced_since = self._unsynced_since, None
+        variables = list(self.model.metrics_variables)
+        all_reduce_metric_deltas(self.engine, variables, before)
+
+    def sync_metrics(self) -> None:
+        """All-reduces the metric updates deferred since the last read.
+
+        Called (on every rank alike) when Keras reads the metric values at
+        the end of an epoch or an evaluation.
+        """
+        if self._unsynced_since is None:
+            return
+        before, self._unsynced_since = self._unsynced_since, None
+        variables = list(self.model.metrics_variables)
+        all_reduce_metric_deltas(self.engine, variables, before)
+
+    def _local_metrics_result(self):
+        return type(self.model).get_metrics_result(self.model)
 
     # -- state ----------------------------------------------------------------
     def _state_variables(self):
@@ -380,8 +481,7 @@ class StepFunctions:
         """One exact step of this rank on its shard of the global batch."""
         model, engine = self.model, self.engine
         x, y, sample_weight, n_local, n_global = self._shard(data)
-        metric_vars = list(model.metrics_variables)
-        before = _metric_snapshot(metric_vars)
+        before = self._metrics_before_step()
         model.zero_grad()
         module = self.ddp if self.ddp is not None else model
         engine.bn_sync_active = True
@@ -424,8 +524,8 @@ class StepFunctions:
             self._average_moving_statistics(n_local > 0)
         if n_local > 0:
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        all_reduce_metric_deltas(engine, metric_vars, before)
-        return model.get_metrics_result()
+        self._metrics_after_step(before)
+        return self._local_metrics_result()
 
     def _average_moving_statistics(self, has_samples: bool):
         variables = [
@@ -463,8 +563,7 @@ class StepFunctions:
         """Evaluates this rank's shard; metric state summed over ranks."""
         model = self.model
         x, y, sample_weight, n_local, _ = self._shard(data)
-        metric_vars = list(model.metrics_variables)
-        before = _metric_snapshot(metric_vars)
+        before = self._metrics_before_step()
         y_pred = self._call(model, x, training=False)
         if n_local > 0:
             loss = model._compute_loss(
@@ -476,8 +575,8 @@ class StepFunctions:
             )
             model._loss_tracker.update_state(loss, sample_weight=n_local)
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        all_reduce_metric_deltas(self.engine, metric_vars, before)
-        return model.get_metrics_result()
+        self._metrics_after_step(before)
+        return self._local_metrics_result()
 
     # -- predict --------------------------------------------------------------
     def make_predict_function(self, force=False):
