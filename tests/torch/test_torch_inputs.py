@@ -118,6 +118,13 @@ def tf_ds():
     return tf.data.Dataset.from_tensor_slices((X, y)).batch(8)
 
 
+def grain_ds():
+    import grain
+
+    samples = [({"a": xa[i], "b": xb[i]}, y[i]) for i in range(N)]
+    return grain.MapDataset.source(samples).batch(8)
+
+
 with strategy.scope():
     model = build()
     compile_model(model)
@@ -142,6 +149,7 @@ cases = {
             tds, batch_size=8, collate_fn=collate),),
         pred=torch.utils.data.DataLoader(
             tds, batch_size=8, collate_fn=collate)),
+    "grain": lambda: dict(x=grain_ds(), eval=(grain_ds(),), pred=grain_ds()),
     # steps_per_epoch longer than the data: Keras stops early (exactly).
     "steps_longer_than_data": lambda: dict(
         x=X, y=y, batch_size=8, shuffle=False, steps_per_epoch=50,
@@ -384,6 +392,7 @@ def test_every_input_type_matches_one_device(tmp_path):
         "py_dataset_workers_shuffled",
         "generator",
         "torch_loader_shuffled",
+        "grain",
         "steps_longer_than_data",
     ]
     print("max relative weight difference:", _compare(tmp_path, names))
