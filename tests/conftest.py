@@ -37,6 +37,7 @@ def _no_leaks(monkeypatch):
     env_before = dict(os.environ)
     threads_before = {t.ident for t in threading.enumerate()}
     yield
+    monkeypatch.undo()  # what a test set through monkeypatch is no leak
     changed = {
         k
         for k in set(env_before) | set(os.environ)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,15 +53,68 @@ def env_rank() -> tuple[int, int, int] | None:
     """Returns ``(rank, world_size, local_rank)`` set by a launcher, or None.
 
     Recognises torchrun and keras_dist's own launcher (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), then
+    a task started by SLURM's ``srun`` (see `slurm_env`), whose variables it
+    exports in torchrun's names.
     """
     needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if not all(os.environ.get(k) for k in needed):
-        return None
+        slurm = slurm_env()
+        if slurm is None:
+            return None
+        os.environ.update(slurm)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     return rank, world, local
+
+
+SLURM_VARIABLES = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
+
+
+def slurm_env() -> dict | None:
+    """torchrun's variables for a task of a multi-task ``srun`` step.
+
+    Only ``srun`` sets ``SLURM_STEP_NODELIST``, so an ``sbatch`` script
+    itself (one process in an allocation of many tasks) is not taken for a
+    rank. As in ``jax.distributed``'s SLURM support, rank 0 runs on the
+    step's first node and the port is derived from the job id (in
+    61440..65535), unless ``MASTER_ADDR``/``MASTER_PORT`` are set.
+
+    Returns:
+        ``{"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+        "MASTER_PORT"}``, or None outside such a step.
+    """
+    if not all(os.environ.get(name) for name in SLURM_VARIABLES):
+        return None
+    world = int(os.environ["SLURM_NTASKS"])
+    if world < 2:
+        return None
+    port = int(os.environ["SLURM_JOB_ID"]) % 4096 + 61440
+    return {
+        "RANK": os.environ["SLURM_PROCID"],
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": os.environ["SLURM_LOCALID"],
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR")
+        or first_slurm_host(os.environ["SLURM_STEP_NODELIST"]),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(port),
+    }
+
+
+def first_slurm_host(node_list: str) -> str:
+    """First host of a SLURM node list: ``"gpu[003-005,9],cpu1"`` gives
+    ``"gpu003"``."""
+    head = node_list.split(",", 1)[0]
+    if "[" not in head:
+        return head
+    prefix, _, ranges = node_list.partition("[")
+    return prefix + re.split(r"[,\-\]]", ranges, maxsplit=1)[0]
 
 
 def relaunch_command() -> list[str]:

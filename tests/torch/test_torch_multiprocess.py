@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -352,3 +354,114 @@ def test_metric_sync_deferred_until_read(tmp_path):
         for key in ("history", "evaluate", "seen"):
             assert ranks[1][mode][key] == ranks[0][mode][key], (mode, key)
     assert len(per_step["seen"]) == 3 * 8
+
+
+def test_slurm_environment(monkeypatch):
+    # env_rank exports torchrun's names: give it a copy of the environment.
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        and not k.startswith(("MASTER_", "SLURM_"))
+    }
+    monkeypatch.setattr(os, "environ", environ)
+    environ.update(
+        SLURM_JOB_ID="12345",
+        SLURM_NTASKS="8",
+        SLURM_PROCID="5",
+        SLURM_LOCALID="1",
+    )
+    # An sbatch script (no srun step) is not a rank.
+    assert launch.slurm_env() is None
+    environ["SLURM_STEP_NODELIST"] = "gpu[003-005,9],cpu1"
+    assert launch.slurm_env() == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "gpu003",
+        "MASTER_PORT": str(12345 % 4096 + 61440),
+    }
+    environ["MASTER_PORT"] = "29400"
+    assert launch.env_rank() == (5, 8, 1)
+    assert environ["MASTER_PORT"] == "29400"
+    assert environ["MASTER_ADDR"] == "gpu003"
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        del environ[name]
+    environ["SLURM_NTASKS"] = "1"  # one task: nothing to join
+    assert launch.env_rank() is None
+
+
+JOIN = """
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+from keras_dist._src.backend import torch_backend
+
+rank = int(os.environ["RANK"])
+keras.utils.set_random_seed(rank)   # the broadcast makes the ranks agree
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+rng = np.random.default_rng(0)
+model.fit(rng.normal(size=(40, 4)), rng.normal(size=(40,)), batch_size=8,
+          verbose=0)
+with open(f"{out}.r{rank}.json", "w") as f:
+    json.dump({"replicas": strategy.num_replicas_in_sync,
+               "launched": len(torch_backend._job.children),
+               "weights": [w.tolist() for w in model.get_weights()]}, f)
+"""
+
+
+def _check_joined(tmp_path, prefix):
+    results = [
+        json.loads((tmp_path / f"{prefix}.r{r}.json").read_text())
+        for r in (0, 1)
+    ]
+    assert not list(tmp_path.glob(f"{prefix}.r2.json"))
+    for result in results:
+        assert result["replicas"] == 2
+        assert result["launched"] == 0  # joined: started no process
+    assert results[0]["weights"] == results[1]["weights"]
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_joins_torchrun_and_slurm_jobs(tmp_path):
+    script = tmp_path / "join.py"
+    script.write_text(PRELUDE + textwrap.dedent(JOIN))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        and not k.startswith(("MASTER_", "SLURM_", "TORCHELASTIC_"))
+    }
+    env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc_per_node=2", str(script), str(tmp_path / "torchrun")],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    _check_joined(tmp_path, "torchrun")
+    # Two tasks of an srun step, as SLURM starts them (with a free port).
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": "2",
+        "MASTER_PORT": str(launch.free_port()),
+    }
+    logs = [open(tmp_path / f"slurm{r}.log", "w+") for r in (0, 1)]
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "slurm")],
+            env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **slurm),
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
+    for task, log in zip(tasks, logs):
+        task.wait(timeout=180)
+        log.seek(0)
+        assert task.returncode == 0, log.read()[-3000:]
+        log.close()
+    _check_joined(tmp_path, "slurm")
