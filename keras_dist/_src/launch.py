@@ -354,8 +354,9 @@ class Watchdog:
         """Ends the watch and waits for its thread (at a normal exit)."""
         self.muted.set()
         self.stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _watch(self) -> None:
         store_failures = 0

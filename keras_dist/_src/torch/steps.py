@@ -115,10 +115,10 @@ def reads_batch_logs(name, method, args, kwargs) -> bool:
     True when the progress bar updates every step (``verbose`` 1 or
     ``"auto"``, except in `fit`'s validation) or a callback other than
     `History` and the progress bar implements a batch hook (``on_batch_*``
-    included). When False, keras_dist
-    all-reduces metric updates once, when the values are read at the end of
-    the epoch, instead of after every step. Computed from the caller's
-    arguments, so it is the same on every rank.
+    included). When False, keras_dist all-reduces metric updates once, when
+    the values are read at the end of the epoch, instead of after every
+    step. Computed from the caller's arguments, so it is the same on every
+    rank.
     """
     hooks = _BATCH_HOOKS.get(name)
     if hooks is None:
@@ -366,24 +366,20 @@ class StepFunctions:
 
     # -- metrics --------------------------------------------------------------
     def _metrics_before_step(self):
-        """Snapshot of the metric variables, unless a deferred one covers
-        this step."""
+        """Snapshot of the metric variables before a step, unless the one
+        taken before an earlier, still unsynced step covers it."""
         self._in_step = True
-        if self.engine.defer_metric_sync and self._unsynced_since is not None:
+        if self._unsynced_since is not None:
             return None
         return _metric_snapshot(list(self.model.metrics_variables))
 
     def _metrics_after_step(self, before):
-        """Sums this step's metric updates over ranks, or defers that."""
+        """Sums the metric updates over ranks now, or defers that."""
         self._in_step = False
-        if self.engine.defer_metric_sync:
-            if self._unsynced_since is None:
-                self._unsynced_since = before
-            return
-        if self._unsynced_since is not None:
-            before, self._unsynced_since = self._unsynced_since, None
-        variables = list(self.model.metrics_variables)
-        all_reduce_metric_deltas(self.engine, variables, before)
+        if self._unsynced_since is None:
+            self._unsynced_since = before
+        if not self.engine.defer_metric_sync:
+            self.sync_metrics()
 
     def sync_metrics(self) -> None:
         """All-reduces the metric updates deferred since the last read.
