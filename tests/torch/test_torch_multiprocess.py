@@ -465,3 +465,47 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
         assert task.returncode == 0, log.read()[-3000:]
         log.close()
     _check_joined(tmp_path, "slurm")
+
+
+def test_which_calls_read_metric_values_every_step(tmp_path):
+    from keras_dist._src.torch.steps import reads_batch_logs
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    callback_list = keras.callbacks.CallbackList
+
+    class BatchHook(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    def fit_progress():
+        return [keras.callbacks.History(), keras.callbacks.ProgbarLogger()]
+
+    epoch_only = [
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.EarlyStopping(),
+    ]
+    cases = [
+        ("fit", {"verbose": 0}, False),
+        ("fit", {"verbose": 2}, False),
+        ("fit", {}, True),  # "auto": a progress bar updated every step
+        ("fit", {"verbose": 0, "callbacks": [BatchHook()]}, True),
+        ("fit", {"verbose": 0, "callbacks": epoch_only}, False),
+        # fit's validation: fit's progress bar ignores evaluation steps.
+        (
+            "evaluate",
+            {
+                "callbacks": callback_list(fit_progress()),
+                "_use_cached_eval_dataset": True,
+            },
+            False,
+        ),
+        ("evaluate", {"callbacks": callback_list(fit_progress())}, True),
+        ("evaluate", {"verbose": 0}, False),
+        ("predict", {"verbose": 0}, True),
+    ]
+    for name, kwargs, expected in cases:
+        method = getattr(model, name)
+        assert reads_batch_logs(name, method, (), kwargs) is expected, (
+            name,
+            kwargs,
+        )

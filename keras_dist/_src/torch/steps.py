@@ -125,12 +125,14 @@ def reads_batch_logs(name, method, args, kwargs) -> bool:
         return True
     arguments = inspect.signature(method).bind(*args, **kwargs).arguments
     callbacks = arguments.get("callbacks") or []
+    quiet = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        # `fit`'s validation: its progress bar ignores evaluation steps.
+        if not arguments.get("kwargs", {}).get("_use_cached_eval_dataset"):
+            quiet = (keras.callbacks.History,)  # a caller's own list
+        # In `fit`'s validation, fit's progress bar ignores the steps.
         callbacks = callbacks.callbacks
     elif arguments.get("verbose", "auto") in ("auto", 1):
         return True
-    quiet = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
     hooks = (*hooks, "on_batch_begin", "on_batch_end")
     return any(
         _implements(callback, hook)
