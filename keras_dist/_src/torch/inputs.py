@@ -219,7 +219,9 @@ class AgreedAdapter(data_adapter.DataAdapter):
         self._template = None
         counts = inner.num_batches
         known = torch.tensor(
-            [0 if counts is None else 1, counts or 0], dtype=torch.int64
+            [0 if counts is None else 1, counts or 0],
+            dtype=torch.int64,
+            device=engine.device,  # NCCL groups take device tensors only
         )
         flags = known.clone()
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=engine.aux_group)
@@ -252,6 +254,7 @@ class AgreedAdapter(data_adapter.DataAdapter):
                     1 if self._template is None else 0,
                 ],
                 dtype=torch.int64,
+                device=engine.device,
             )
             dist.all_reduce(state, group=engine.aux_group)
             has, n_global, lacking = (int(v) for v in state)
@@ -319,14 +322,12 @@ class AgreedAdapter(data_adapter.DataAdapter):
 
 
 # -- rewriting the arguments of fit/evaluate/predict --------------------------
-def _global_batch_size(dataset, batch_size):
+def _global_batch_size(dataset):
     """The global batch of a batched `tf.data.Dataset`.
 
-    ``batch_size`` when given; else the static batch size tf.distribute
-    computes from the dataset's graph; else the size of its first batch.
+    The static batch size tf.distribute computes from the dataset's graph;
+    else the size of its first batch.
     """
-    if batch_size:
-        return int(batch_size)
     from tensorflow.python.data.experimental.ops import distribute
 
     try:
@@ -340,11 +341,11 @@ def _global_batch_size(dataset, batch_size):
     return 1
 
 
-def _file_shard(engine, dataset, batch_size):
+def _file_shard(engine, dataset):
     from tensorflow.python.distribute import input_ops
 
     world, rank = engine.world_size, engine.rank
-    global_batch = _global_batch_size(dataset, batch_size)
+    global_batch = _global_batch_size(dataset)
     sharded = input_ops.auto_shard_dataset(dataset, world, rank, world)
     local = local_batch_size(global_batch, rank, world)
     if local == 0:
@@ -360,14 +361,15 @@ def _local_input(engine, policy, x, y, sample_weight, batch_size, what, **kw):
     """Returns an `AgreedAdapter` over this rank's input under `policy`."""
     if policy is ShardPolicy.FILE:
         # Keras ignores `batch_size` for datasets: they are batched.
-        x = _file_shard(engine, x, None)
+        x = _file_shard(engine, x)
     elif array_data_adapter.can_convert_arrays((x, y, sample_weight)):
+        global_batch = batch_size or 32
         batch_size = local_batch_size(
-            batch_size or 32, engine.rank, engine.world_size
+            global_batch, engine.rank, engine.world_size
         )
         if batch_size == 0:
             raise ValueError(
-                f"ShardPolicy.OFF: batch_size={batch_size} is the global "
+                f"ShardPolicy.OFF: batch_size={global_batch} is the global "
                 f"batch and must be at least the number of ranks "
                 f"({engine.world_size}). Pass a larger batch_size."
             )
@@ -412,7 +414,6 @@ def prepare_arguments(engine, name, method, args, kwargs):
         return args, kwargs
     policy = resolve_policy(base, x)
     if policy is not ShardPolicy.DATA:
-        extra = {}
         if name == "fit":
             extra = {
                 "shuffle": arguments.get("shuffle", True),

@@ -191,7 +191,11 @@ def average_over_ranks(engine, variables, participate: bool) -> None:
     with torch.no_grad():
         flat = torch.cat(
             [t.detach().reshape(-1).to(torch.float64) * weight for t in tensors]
-            + [torch.tensor([weight], dtype=torch.float64)]
+            + [
+                torch.tensor(
+                    [weight], dtype=torch.float64, device=engine.device
+                )
+            ]
         )
         dist.all_reduce(flat, group=engine.aux_group)
         count = flat[-1]
