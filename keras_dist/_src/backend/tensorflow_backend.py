@@ -357,7 +357,7 @@ def _distribute_global_batches(strategy, dataset, options=None):
                 count = tf.shape(leaves[0])[0]
                 missing = (replicas - count % replicas) % replicas
                 batch = tree.map_structure(
-                    lambda t: None if t is None else _pad_rows(t, missing),
+                    lambda t: _pad_rows(t, missing),
                     batch,
                 )
                 per_sample = tf.concat(
@@ -388,9 +388,7 @@ def _distribute_global_batches(strategy, dataset, options=None):
             # with cross-replica BatchNormalization an empty shard aborts
             # the step with a collective shape mismatch.
             empty = tf.cast(tf.equal(stop, start), "int32")
-            shard = tree.map_structure(
-                lambda t: None if t is None else _pad_rows(t, empty), shard
-            )
+            shard = tree.map_structure(lambda t: _pad_rows(t, empty), shard)
             return {
                 _BATCH: shard,
                 _GLOBAL_COUNT: count,
@@ -556,8 +554,7 @@ def _global_moments(context, inputs, axes, valid):
     if valid is not None:
         # The mask is per sample of the step's batch; a layer whose first
         # axis is something else (after a reshape) is left unmasked.
-        rank = x.shape.rank
-        mask = tf.reshape(valid, [-1] + [1] * (rank - 1))
+        mask = _expand_like(valid, x)
         weight = tf.cond(
             tf.equal(tf.shape(valid)[0], tf.shape(x)[0]),
             lambda: weight * mask,
