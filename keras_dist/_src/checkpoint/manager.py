@@ -1,0 +1,311 @@
+"""Saving and restoring whole training states: chief writes, all agree.
+
+`CheckpointManager` owns one checkpoint directory. Every process calls
+`save` and `restore` at the same point of the program (they are
+collective): the chief alone snapshots and writes, the others wait at a
+barrier; on restore the chief picks the newest checkpoint that verifies
+and broadcasts its step, then every process loads it (so the directory
+must be readable by all processes, e.g. a shared filesystem).
+
+Asynchronous saving copies the state to host memory on the calling
+(training) thread, then writes it in a background thread while training
+goes on. The next save, `wait`, the end of `fit` (in `BackupAndRestore`)
+and the exit of the process wait for the write in flight.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+
+from keras_dist._src.checkpoint import format as fmt
+from keras_dist._src.checkpoint import runtime_glue, state
+
+
+class CheckpointNotFoundError(fmt.CheckpointError, FileNotFoundError):
+    """No complete checkpoint exists where one was asked for."""
+
+
+class CheckpointManager:
+    """Writes, lists, prunes and restores checkpoints in one directory.
+
+    Args:
+        directory: where ``ckpt-<step>`` directories are kept.
+        keep: how many of the newest complete checkpoints to keep (older
+            ones are deleted after each save); None keeps all.
+        async_save: write in a background thread (see the module doc).
+        runtime: the `Runtime` to coordinate processes; by default the
+            runtime of the model passed to `save`/`restore`.
+    """
+
+    def __init__(self, directory, keep=None, async_save=False, runtime=None):
+        if not directory:
+            raise ValueError("A checkpoint directory is required.")
+        if keep is not None and int(keep) < 1:
+            raise ValueError(f"keep must be None or >= 1; got {keep!r}.")
+        self.directory = os.fspath(directory)
+        self.keep = None if keep is None else int(keep)
+        self.async_save = bool(async_save)
+        self._runtime = runtime
+        self._writer: _Writer | None = None
+        self._pending = False
+        self.last_save_seconds = None  # time the caller was blocked
+        self.last_write_seconds = None  # time of the whole write
+
+    def runtime(self, model=None):
+        """The runtime coordinating this manager's processes."""
+        if self._runtime is None:
+            return runtime_glue.runtime_of(model)
+        return self._runtime
+
+    # -- saving --
+    def save(self, model, step, position=None, extra_arrays=None, extra=None):
+        """Saves `model`'s training state as ``ckpt-<step>`` (collective).
+
+        Args:
+            model: a built Keras model (its variables, optimizer, metrics).
+            step: the global step that names the checkpoint.
+            position: dict stored as the training position.
+            extra_arrays: more ``{key: array}`` to store.
+            extra: more JSON metadata (under ``"user"``).
+
+        Returns:
+            The path the checkpoint has (or will have, when asynchronous).
+        """
+        runtime = self.runtime(model)
+        start = time.perf_counter()
+        self.wait(model)
+        path = os.path.join(self.directory, f"{fmt.PREFIX}{int(step)}")
+        if runtime.is_chief:
+            arrays = state.snapshot_variables(model)
+            arrays.update(state.capture_rng())
+            arrays.update(extra_arrays or {})
+            metadata = {
+                "step": int(step),
+                "created": time.time(),
+                "versions": state.versions(),
+                "strategy": runtime_glue.describe(model, runtime),
+                "position": dict(position or {"global_step": int(step)}),
+                "user": dict(extra or {}),
+            }
+            job = _Writer(self, int(step), arrays, metadata)
+            if self.async_save:
+                self._writer = job.start()
+            else:
+                job.run()
+                job.raise_error()
+        if self.async_save:
+            self._pending = True
+        else:
+            runtime.barrier("keras_dist/checkpoint/saved")
+        self.last_save_seconds = time.perf_counter() - start
+        return path
+
+    def wait(self, model=None) -> None:
+        """Waits for the asynchronous save in flight (collective).
+
+        Raises:
+            CheckpointError: if that save failed.
+        """
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        if self._pending:
+            self._pending = False
+            self.runtime(model).barrier("keras_dist/checkpoint/async")
+        if writer is not None:
+            writer.raise_error()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous save is being written."""
+        return self._writer is not None and self._writer.is_alive()
+
+    # -- finding and restoring --
+    def latest(self) -> str | None:
+        """The newest complete checkpoint's path, or None."""
+        return fmt.latest(self.directory)
+
+    def all(self) -> list[str]:
+        """Every complete checkpoint's path, newest first."""
+        out = []
+        for path in fmt.candidates(self.directory):
+            try:
+                fmt.read_metadata(path)
+            except fmt.CheckpointError:
+                continue
+            out.append(path)
+        return out
+
+    def load(self, model=None, path=None):
+        """Finds and loads the newest checkpoint that verifies (collective).
+
+        Damaged checkpoints are skipped with a warning. Nothing is assigned
+        to the model.
+
+        Args:
+            model: the model whose runtime coordinates processes.
+            path: a ``ckpt-<step>`` directory to load instead of the newest.
+
+        Returns:
+            ``(path, metadata, arrays)``, or None when there is none.
+        """
+        runtime = self.runtime(model)
+        self.wait(model)
+        found = None
+        if runtime.is_chief:
+            found = _load_newest(self.directory, path)
+        step = found[1]["step"] if found else -1
+        step = int(runtime.broadcast(int(step), root=0))
+        if step < 0:
+            return None
+        if found is None:  # another process: the chief verified it
+            path = os.path.join(self.directory, f"{fmt.PREFIX}{step}")
+            metadata = fmt.read_metadata(path)
+            found = (path, metadata, fmt.load_arrays(path, metadata, False))
+        return found
+
+    def restore(self, model, path=None, restore_rng=True) -> dict:
+        """Restores `model` from the newest (or the given) checkpoint.
+
+        Assigns the model's, optimizer's and metrics' variables and, with
+        `restore_rng`, the global random generators' states.
+
+        Returns:
+            The checkpoint's metadata, with its ``"path"``.
+
+        Raises:
+            CheckpointNotFoundError: when there is no complete checkpoint.
+            CheckpointMismatchError: naming variables that do not match.
+        """
+        state.check_built(model)
+        found = self.load(model, path)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"No complete checkpoint in {self.directory!r}."
+            )
+        path, metadata, arrays = found
+        apply(model, arrays)
+        if restore_rng:
+            state.restore_rng(state.rng_arrays(arrays))
+        return dict(metadata, path=path)
+
+    def remove_all(self, model=None) -> None:
+        """Deletes every checkpoint and the directory (chief; collective)."""
+        runtime = self.runtime(model)
+        self.wait(model)
+        if runtime.is_chief and os.path.isdir(self.directory):
+            for path in fmt.candidates(self.directory):
+                fmt.remove(path)
+            fmt.clean_temporaries(self.directory)
+            try:
+                os.rmdir(self.directory)
+            except OSError:
+                pass  # other files live there: leave them
+        runtime.barrier("keras_dist/checkpoint/removed")
+
+
+def apply(model, arrays: dict) -> None:
+    """Assigns checkpoint `arrays` to `model`'s variables (all groups).
+
+    Raises:
+        CheckpointMismatchError: naming variables that do not match.
+    """
+    state.check_built(model)
+    state.ensure_optimizer_built(model)
+    pairs = state.match(model, arrays)
+    with runtime_glue.scope_of(model):
+        state.assign(pairs)
+
+
+def _load_newest(directory, path=None):
+    if path is not None:
+        paths = [os.fspath(path)]
+    elif fmt.step_of(directory) is not None and os.path.exists(
+        os.path.join(directory, fmt.COMMIT_FILE)
+    ):
+        paths = [directory]
+    else:
+        for name in fmt.partial_writes(directory):
+            warnings.warn(
+                f"Ignoring {os.path.join(directory, name)}: an interrupted "
+                "(partial) checkpoint write.",
+                stacklevel=4,
+            )
+        paths = fmt.candidates(directory)
+    for candidate in paths:
+        try:
+            metadata = fmt.read_metadata(candidate)
+            arrays = fmt.load_arrays(candidate, metadata, verify=True)
+        except fmt.CheckpointError as error:
+            if path is not None:
+                raise
+            warnings.warn(
+                f"Skipping checkpoint {candidate}: {error}", stacklevel=4
+            )
+            continue
+        return candidate, metadata, arrays
+    return None
+
+
+class _Writer:
+    """Writes one snapshot (in the calling thread or a background one)."""
+
+    def __init__(self, manager, step, arrays, metadata):
+        self.manager = manager
+        self.step = step
+        self.arrays = arrays
+        self.metadata = metadata
+        self.error = None
+        self._thread = None
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        try:
+            fmt.write(
+                self.manager.directory, self.step, self.arrays, self.metadata
+            )
+            if self.manager.keep is not None:
+                fmt.keep_last(self.manager.directory, self.manager.keep)
+        except BaseException as error:  # noqa: BLE001 - re-raised by wait
+            self.error = error
+        finally:
+            self.arrays = None
+            self.manager.last_write_seconds = time.perf_counter() - start
+
+    def start(self) -> _Writer:
+        self._thread = threading.Thread(
+            target=self.run, name="keras_dist-checkpoint", daemon=True
+        )
+        _IN_FLIGHT.add(self)
+        self._thread.start()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        _IN_FLIGHT.discard(self)
+
+    def raise_error(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise fmt.CheckpointError(
+                f"Writing checkpoint {self.step} into "
+                f"{self.manager.directory!r} failed: {error}"
+            ) from error
+
+
+_IN_FLIGHT: set = set()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """A process does not end while a checkpoint is being written."""
+    for writer in list(_IN_FLIGHT):
+        writer.join()
