@@ -4,6 +4,7 @@ Build and compile a model inside ``strategy.scope()``; ``fit``, ``evaluate``
 and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 """
 
+from keras_dist import callbacks, checkpoint
 from keras_dist._src.api import _apply_env as _apply_env
 from keras_dist._src.api import list_devices, simulate_cpu_devices
 from keras_dist._src.errors import (
@@ -39,6 +40,8 @@ __all__ = [
     "UnsupportedBackendError",
     "VariablesOutsideScopeError",
     "available_strategies",
+    "callbacks",
+    "checkpoint",
     "get_strategy",
     "has_strategy",
     "list_devices",

@@ -208,15 +208,24 @@ class CheckpointManager:
         runtime.barrier("keras_dist/checkpoint/removed")
 
 
-def apply(model, arrays: dict) -> None:
-    """Assigns checkpoint `arrays` to `model`'s variables (all groups).
+def apply(model, arrays: dict, metrics: bool = True) -> None:
+    """Assigns checkpoint `arrays` to `model`'s variables.
+
+    The model's and the optimizer's variables must match. The metrics'
+    state (which `fit` and `evaluate` reset when they start) is restored
+    when `metrics` is true and the model's metrics are built and match.
 
     Raises:
         CheckpointMismatchError: naming variables that do not match.
     """
     state.check_built(model)
     state.ensure_optimizer_built(model)
-    pairs = state.match(model, arrays)
+    pairs = state.match(model, arrays, groups=("model", "optimizer"))
+    if metrics:
+        try:
+            pairs += state.match(model, arrays, groups=("metrics",))
+        except fmt.CheckpointMismatchError:
+            pass  # e.g. compiled metrics not built before the first step
     with runtime_glue.scope_of(model):
         state.assign(pairs)
 
