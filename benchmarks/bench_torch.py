@@ -196,11 +196,11 @@ def run_ddp(steps):
     import torch.distributed as dist
     from torch import nn
 
-    from keras_dist._src import launch
+    from keras_dist._src.cluster import detect_environment, launcher
 
-    if launch.env_rank() is None:
-        port = launch.free_port()
-        children = launch.start_workers(2, port)
+    if not detect_environment().is_distributed:
+        port = launcher.free_port()
+        children = launcher.start_workers(2, port)
         os.environ.update(
             RANK="0",
             WORLD_SIZE="2",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from keras_dist._src import backend as backend_lib
+from keras_dist._src import backends as backend_lib
 from keras_dist._src.devices import requested_cpu_devices_from_env
 
 

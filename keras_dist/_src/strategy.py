@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Sequence
 
 from keras import tree
 
-from keras_dist._src import backend as backend_lib
-from keras_dist._src import hook
+from keras_dist._src import backends as backend_lib
+from keras_dist._src import context
+from keras_dist._src.cluster.environments import ClusterEnvironment
 from keras_dist._src.devices import check_devices_exist
 from keras_dist._src.errors import StrategyMixingError
+from keras_dist._src.keras_glue import hook
 from keras_dist._src.options import InputOptions
+from keras_dist._src.runtime import Runtime
 from keras_dist._src.values import ReduceOp
-
-_state = threading.local()
-
-
-def _stack() -> list:
-    if not hasattr(_state, "stack"):
-        _state.stack = []
-    return _state.stack
 
 
 class Strategy:
@@ -30,6 +24,12 @@ class Strategy:
     Build and compile the model inside `scope()`; `fit`, `evaluate` and
     `predict` then run replicated, with `batch_size` meaning the global batch
     split across `num_replicas_in_sync` replicas.
+
+    A strategy composes three parts: the `ClusterEnvironment` (where this
+    process stands in the job), the backend's `Runtime` (rank, chief,
+    barrier, broadcast, all-reduce, all-gather of host values) and the
+    backend's replicator for this kind of strategy (the *engine*: replicated
+    step functions, input distribution). Subclasses choose the kind.
 
     Args:
         devices: device names such as ``["gpu:0", "gpu:1"]``.
@@ -40,11 +40,16 @@ class Strategy:
             workers); defaults to ``InputOptions()`` (``ShardPolicy.AUTO``).
     """
 
+    #: Which replicator the backend builds: "one_device", "mirrored" or
+    #: "multi_worker".
+    kind = "mirrored"
+
     def __init__(
         self,
         devices: Sequence[str],
         sync_batch_norm: bool = True,
         input_options: InputOptions | None = None,
+        environment: ClusterEnvironment | None = None,
     ):
         if input_options is None:
             input_options = InputOptions()
@@ -59,8 +64,13 @@ class Strategy:
         self._devices = tuple(check_devices_exist(devices, available))
         self._sync_batch_norm = bool(sync_batch_norm)
         self._input_options = input_options
+        self._runtime = module.create_runtime(
+            self.kind, self._devices, environment
+        )
         self._engine = module.create_engine(
+            self.kind,
             self._devices,
+            runtime=self._runtime,
             sync_batch_norm=self._sync_batch_norm,
             input_options=input_options,
         )
@@ -73,11 +83,26 @@ class Strategy:
         return self._devices
 
     @property
+    def runtime(self) -> Runtime:
+        """This process's `Runtime`: rank, chief, barrier, broadcast,
+        all-reduce and all-gather of host values between processes."""
+        return self._runtime
+
+    @property
     def is_chief(self) -> bool:
         """Whether this process is the chief (worker 0), the one that should
-        print and write files. Always True where one process drives every
-        device (JAX, TensorFlow); rank 0 on torch."""
-        return self._engine.is_chief
+        print and write files."""
+        return self._runtime.is_chief
+
+    @property
+    def worker_index(self) -> int:
+        """This process's index among the job's processes (0 = chief)."""
+        return self._runtime.rank
+
+    @property
+    def num_workers(self) -> int:
+        """Number of processes in the job (one per device on torch)."""
+        return self._runtime.world_size
 
     @property
     def input_options(self) -> InputOptions:
@@ -110,7 +135,7 @@ class Strategy:
     @contextlib.contextmanager
     def _call_scope(self, name: str):
         """Context around `fit`/`evaluate`/`predict` of an attached model."""
-        calls = _calls()
+        calls = context.call_stack()
         calls.append(name)
         try:
             with self._scope(self._engine.call_scope):
@@ -120,7 +145,7 @@ class Strategy:
 
     @contextlib.contextmanager
     def _scope(self, engine_scope):
-        stack = _stack()
+        stack = context.strategy_stack()
         if stack and stack[-1] is not self:
             raise StrategyMixingError(
                 f"Cannot enter the scope of {self!r} inside the scope of "
@@ -192,43 +217,24 @@ class Strategy:
         return f"{type(self).__name__}(devices={list(self._devices)})"
 
 
-def _calls() -> list:
-    if not hasattr(_state, "calls"):
-        _state.calls = []
-    return _state.calls
-
-
-def current_call() -> str | None:
-    """Name of the innermost `fit`/`evaluate`/`predict`/`*_on_batch` call of
-    an attached model in progress on this thread, or None."""
-    calls = _calls()
-    return calls[-1] if calls else None
-
-
 def get_strategy() -> Strategy:
     """Returns the strategy whose scope is active, or the default strategy.
 
     Outside every scope the default is a `OneDeviceStrategy` on the first
     device (created once).
     """
-    stack = _stack()
-    if stack:
-        return stack[-1]
-    default = getattr(_state, "default", None)
+    strategy = context.current_strategy()
+    if strategy is not None:
+        return strategy
+    default = context.default_strategy()
     if default is None:
         from keras_dist._src.strategies import OneDeviceStrategy
 
         default = OneDeviceStrategy()
-        _state.default = default
+        context.set_default_strategy(default)
     return default
 
 
 def has_strategy() -> bool:
     """Returns whether a keras_dist strategy scope is active."""
-    return bool(_stack())
-
-
-def current_strategy() -> Strategy | None:
-    """Returns the active strategy, or None outside every scope."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    return context.current_strategy() is not None

@@ -21,7 +21,7 @@ if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
 from keras_dist import ShardPolicy  # noqa: E402
-from keras_dist._src.torch import inputs  # noqa: E402
+from keras_dist._src.backends.torch import inputs  # noqa: E402
 from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
 
 PRELUDE = """

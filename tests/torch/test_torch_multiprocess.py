@@ -21,8 +21,9 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
-from keras_dist._src import launch  # noqa: E402
-from keras_dist._src.backend import torch_backend  # noqa: E402
+from keras_dist._src.core.shards import shard_bounds  # noqa: E402
+
+from keras_dist._src.cluster import launcher, supervision  # noqa: E402
 from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
 
 PRELUDE = """
@@ -119,22 +120,22 @@ def test_shard_bounds_match_array_split():
         for world in (1, 2, 3, 4):
             expected = np.array_split(np.arange(count), world)
             for rank in range(world):
-                start, stop = torch_backend.shard_bounds(count, rank, world)
+                start, stop = shard_bounds(count, rank, world)
                 np.testing.assert_array_equal(
                     np.arange(count)[start:stop], expected[rank]
                 )
 
 
 def test_launcher_helpers():
-    port = launch.free_port()
+    port = launcher.free_port()
     assert 0 < port < 65536
-    env = launch.child_env(2, 4, port)
+    env = launcher.child_env(2, 4, port)
     assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4"
     assert env["MASTER_ADDR"] == "127.0.0.1"
     assert env["MASTER_PORT"] == str(port)
-    assert launch.describe_exit(-9) == "was killed by SIGKILL"
+    assert supervision.describe_exit(-9) == "was killed by SIGKILL"
     with pytest.raises(RuntimeError, match="torchrun"):
-        launch.relaunch_command()  # pytest cannot be re-run
+        launcher.relaunch_command()  # pytest cannot be re-run
 
 
 # -- real processes ------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_clean_exit_while_watchdog_polls(tmp_path):
 
 
 DEFERRED_METRICS = """
-from keras_dist._src.torch import steps as torch_steps
+from keras_dist._src.backends.torch import data_parallel as torch_steps
 
 out = sys.argv[1]
 strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
@@ -356,47 +357,12 @@ def test_metric_sync_deferred_until_read(tmp_path):
     assert len(per_step["seen"]) == 3 * 8
 
 
-def test_slurm_environment(monkeypatch):
-    # env_rank exports torchrun's names: give it a copy of the environment.
-    environ = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-        and not k.startswith(("MASTER_", "SLURM_"))
-    }
-    monkeypatch.setattr(os, "environ", environ)
-    environ.update(
-        SLURM_JOB_ID="12345",
-        SLURM_NTASKS="8",
-        SLURM_PROCID="5",
-        SLURM_LOCALID="1",
-    )
-    # An sbatch script (no srun step) is not a rank.
-    assert launch.slurm_env() is None
-    environ["SLURM_STEP_NODELIST"] = "gpu[003-005,9],cpu1"
-    assert launch.slurm_env() == {
-        "RANK": "5",
-        "WORLD_SIZE": "8",
-        "LOCAL_RANK": "1",
-        "MASTER_ADDR": "gpu003",
-        "MASTER_PORT": str(12345 % 4096 + 61440),
-    }
-    environ["MASTER_PORT"] = "29400"
-    assert launch.env_rank() == (5, 8, 1)
-    assert environ["MASTER_PORT"] == "29400"
-    assert environ["MASTER_ADDR"] == "gpu003"
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        del environ[name]
-    environ["SLURM_NTASKS"] = "1"  # one task: nothing to join
-    assert launch.env_rank() is None
-
-
 JOIN = """
 out = sys.argv[1]
 strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
-from keras_dist._src.backend import torch_backend
+from keras_dist._src.backends.torch import runtime as torch_runtime
 
-rank = int(os.environ["RANK"])
+rank = strategy.worker_index   # read from the launcher's variables
 keras.utils.set_random_seed(rank)   # the broadcast makes the ranks agree
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -406,7 +372,7 @@ model.fit(rng.normal(size=(40, 4)), rng.normal(size=(40,)), batch_size=8,
           verbose=0)
 with open(f"{out}.r{rank}.json", "w") as f:
     json.dump({"replicas": strategy.num_replicas_in_sync,
-               "launched": len(torch_backend._job.children),
+               "launched": len(torch_runtime._job.children),
                "weights": [w.tolist() for w in model.get_weights()]}, f)
 """
 
@@ -447,7 +413,7 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
         "SLURM_JOB_ID": "4242",
         "SLURM_STEP_NODELIST": "127.0.0.1",
         "SLURM_NTASKS": "2",
-        "MASTER_PORT": str(launch.free_port()),
+        "MASTER_PORT": str(launcher.free_port()),
     }
     logs = [open(tmp_path / f"slurm{r}.log", "w+") for r in (0, 1)]
     tasks = [
@@ -468,7 +434,7 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
 
 
 def test_which_calls_read_metric_values_every_step(tmp_path):
-    from keras_dist._src.torch.steps import reads_batch_logs
+    from keras_dist._src.backends.torch.data_parallel import reads_batch_logs
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     callback_list = keras.callbacks.CallbackList

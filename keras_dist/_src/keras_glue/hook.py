@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 
-from keras_dist._src.data import check_call_inputs
+from keras_dist._src.context import current_strategy
+from keras_dist._src.core.inputs import check_call_inputs
 
 _WRAPPED_METHODS = (
     "fit",
@@ -48,8 +49,6 @@ def install() -> None:
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        from keras_dist._src.strategy import current_strategy
-
         strategy = current_strategy()
         if strategy is not None:
             attach(self, strategy)
@@ -63,7 +62,7 @@ def install() -> None:
 
 
 def _refuse_distributed_model_outside_scope(model) -> None:
-    from keras_dist._src import backend as backend_lib
+    from keras_dist._src import backends as backend_lib
     from keras_dist._src.errors import StrategyMixingError
 
     if backend_lib.get().variables_distributed(model):

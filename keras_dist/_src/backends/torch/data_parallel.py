@@ -1,5 +1,17 @@
-"""Replicated train/test/predict steps of one Keras model on torch.
+"""PyTorch backend: one process per device, `torch.distributed` + DDP.
 
+`MirroredStrategy` on torch runs one process (rank) per device. Run plainly
+(``python train.py``), the strategy's constructor starts the other ranks by
+re-running the same program (see `keras_dist._src.cluster.launcher`); started by
+torchrun, or with a process group already initialised, it joins instead.
+GPUs use NCCL, CPUs gloo.
+
+Every rank iterates the same global batches (Keras's torch trainer, with
+identical shuffling); the replicated step takes this rank's contiguous shard
+(`numpy.array_split` order), runs forward/backward through
+`DistributedDataParallel` (bucketed gradient all-reduce overlapped with the
+backward pass), weights the local mean loss by its share of the global batch,
+and all-reduces metric state so that logs are exact and equal on all ranks.
 Every rank receives the same global batch from Keras's torch trainer and
 keeps its contiguous shard (`numpy.array_split` order). Training runs the
 model through `torch.nn.parallel.DistributedDataParallel`, so gradients are
@@ -19,17 +31,29 @@ their mean over the ranks that had samples in the step (as on JAX and TF).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
+import time
 import warnings
 
 import keras
+import numpy as np
 import torch
 import torch.distributed as dist
 from keras import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dist._src.backends.torch import devices as torch_devices
+from keras_dist._src.backends.torch.batch_norm import sync_moments
+from keras_dist._src.backends.torch.devices import torch_device
+from keras_dist._src.backends.torch.inputs import DistributedDataset
+from keras_dist._src.backends.torch.runtime import RankFailedError, TorchRuntime
+from keras_dist._src.cluster import supervision
+from keras_dist._src.core.shards import shard_bounds
+from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import VariablesOutsideScopeError
+from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 _CHIEF_ONLY = (
     keras.callbacks.ModelCheckpoint,
@@ -37,6 +61,8 @@ _CHIEF_ONLY = (
     keras.callbacks.TensorBoard,
     keras.callbacks.ProgbarLogger,
 )
+
+
 ALL_RANKS_ATTR = "_keras_dist_all_ranks"
 
 
@@ -235,58 +261,6 @@ def all_reduce_metric_deltas(engine, variables, before) -> None:
             offset += n
 
 
-# -- synchronised BatchNormalization -------------------------------------------
-class _AllReduceSum(torch.autograd.Function):
-    """Differentiable sum over ranks (its gradient is summed too)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _sync_moments(engine, layer, original):
-    def moments(inputs, mask):
-        if not engine.bn_sync_active or mask is not None:
-            return original(inputs, mask)
-        axes = list(layer._reduction_axes)
-        x = inputs
-        low = x.dtype in (torch.float16, torch.bfloat16)
-        if low:
-            x = x.float()
-        count = 1
-        for a in axes:
-            count *= x.shape[a]
-        local_sum = torch.sum(x, dim=axes)
-        local_sq = torch.sum(torch.square(x), dim=axes)
-        packed = torch.cat(
-            [
-                local_sum.reshape(-1),
-                local_sq.reshape(-1),
-                x.new_tensor([float(count)]),
-            ]
-        )
-        packed = _AllReduceSum.apply(packed, engine.aux_group)
-        c = local_sum.numel()
-        n = packed[-1].clamp_min(1.0)
-        mean = (packed[:c] / n).reshape(local_sum.shape)
-        variance = (packed[c : 2 * c] / n).reshape(local_sum.shape)
-        variance = variance - torch.square(mean)
-        if low:
-            mean, variance = mean.to(inputs.dtype), variance.to(inputs.dtype)
-        return mean, variance
-
-    return moments
-
-
 # -- the step functions -------------------------------------------------------
 def _first_leaf(x):
     return next(t for t in tree.flatten(x) if t is not None)
@@ -341,7 +315,7 @@ class StepFunctions:
             for layer in model._flatten_layers(include_self=False):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     original = type(layer)._moments.__get__(layer)
-                    layer.__dict__["_moments"] = _sync_moments(
+                    layer.__dict__["_moments"] = sync_moments(
                         engine, layer, original
                     )
 
@@ -435,7 +409,6 @@ class StepFunctions:
 
     def _shard(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        from keras_dist._src.backend.torch_backend import shard_bounds
 
         n_global = self.engine.local_batches.take()
         if n_global is not None:
@@ -589,8 +562,6 @@ class StepFunctions:
 
     def predict_step(self, data):
         """Predicts this rank's shard; returns the whole batch's outputs."""
-        from keras_dist._src.backend.torch_backend import all_gather_concat
-
         x, _, _, _, _ = self._shard(data)
         y_pred = self._call(self.model, x, training=False)
         engine = self.engine
@@ -600,3 +571,259 @@ class StepFunctions:
             ),
             y_pred,
         )
+
+
+# -- engines ------------------------------------------------------------------
+class OneDeviceEngine:
+    """Keras's own torch step on one device, no process group."""
+
+    is_chief = True
+
+    def __init__(self, device: str):
+        self.devices = (device,)
+        self._device = torch_device(device)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def call_scope(self):
+        return contextlib.nullcontext()
+
+    def prepare_call(self, name, method, args, kwargs):
+        return args, kwargs
+
+    def attach(self, model) -> None:
+        del model
+
+    def run(self, fn, args, kwargs):
+        return fn(*args, **kwargs)
+
+    def reduce(self, op, value, axis):
+        x = _as_tensor(local_results(value)[0])
+        if axis is None:
+            return x
+        return x.sum(axis) if op is ReduceOp.SUM else x.mean(axis)
+
+    def gather(self, value, axis):
+        return _as_tensor(local_results(value)[0])
+
+    def local_results(self, value):
+        return local_results(value)
+
+    def distribute_dataset(self, dataset):
+        return DistributedDataset(dataset, 0, 1)
+
+
+class MirroredEngine:
+    """One rank of a DDP job: exact replicated steps over all ranks.
+
+    Args:
+        devices: the strategy's devices (one per rank).
+        sync_batch_norm: global-batch BatchNormalization statistics.
+    """
+
+    def __init__(self, devices, sync_batch_norm: bool, runtime):
+        self.devices = tuple(devices)
+        self.sync_batch_norm = bool(sync_batch_norm)
+        self.runtime = runtime
+        self.job = runtime.job
+        if self.devices[0].startswith("cpu"):
+            torch_devices.claim_cpu_devices(len(self.devices))
+        index = min(self.job.local_rank, len(self.devices) - 1)
+        self.device = torch_device(self.devices[index])
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # Collectives issued from inside forward/backward (BatchNorm) and
+        # for metrics use their own group, so that their order can never
+        # interleave with DDP's asynchronous bucket all-reduces.
+        self.aux_group = dist.new_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo"
+        )
+        from keras_dist._src.backends.torch.inputs import LocalBatchTracker
+
+        # Set by the input of FILE/OFF policies: the next batch is local.
+        self.local_batches = LocalBatchTracker()
+        self.input_options = None
+        # Per call in progress (innermost last): whether nothing reads the
+        # per-step metric values, so their all-reduce can wait until read.
+        self._defer_metrics = []
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.job.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (replicas)."""
+        return self.job.world_size
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.job.world_size
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this is rank 0, the one that prints and writes files."""
+        return self.job.rank == 0
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def call_scope(self):
+        self._defer_metrics.append(False)
+        try:
+            self.local_batches.pending = None
+            sync_shuffle_seed(self)
+            yield
+        except BaseException as error:
+            self._raise_failure(error)
+            raise
+        finally:
+            self._defer_metrics.pop()
+
+    @property
+    def defer_metric_sync(self) -> bool:
+        """Whether the call in progress reads metric values only at its end."""
+        return bool(self._defer_metrics) and self._defer_metrics[-1]
+
+    def prepare_call(self, name, method, args, kwargs):
+        from keras_dist._src.backends.torch import inputs
+
+        if name not in ("fit", "evaluate", "predict"):
+            return args, kwargs
+        if self._defer_metrics:
+            # Decided on the caller's arguments, before rank 0's callbacks
+            # are gated: every rank must make the same collectives.
+            self._defer_metrics[-1] = not reads_batch_logs(
+                name, method, args, kwargs
+            )
+        args, kwargs = inputs.prepare_arguments(
+            self, name, method, args, kwargs
+        )
+        return gate_call_arguments(self, method, args, kwargs)
+
+    def _raise_failure(self, error) -> None:
+        if isinstance(error, RankFailedError):
+            return
+        supervisor = self.job.supervisor
+        if supervisor is not None:
+            # A collective that failed because a child died: name the child.
+            for _ in range(4):
+                for rank, proc in supervisor.children.items():
+                    code = proc.poll()
+                    if code not in (None, 0):
+                        supervisor.fail(
+                            f"rank {rank} {supervision.describe_exit(code)}"
+                        )
+                time.sleep(supervision.POLL_SECONDS)
+        mine = f"rank {self.rank}: {type(error).__name__}: {error}"
+        try:
+            first = self.job.report(mine)
+        except Exception:  # noqa: BLE001 - store gone: rank 0 died.
+            first = "rank 0 is gone (its rendezvous store is unreachable)"
+        if first != mine:
+            self.job.mute()
+            raise RankFailedError(
+                f"Rank {self.rank} stops because another rank failed: "
+                f"{first}. Fix the error of that rank (its traceback is in "
+                "its output)."
+            ) from error
+
+    def attach(self, model) -> None:
+        check_variables(self, model)
+        StepFunctions(self, model).install()
+
+    # -- collectives on per-rank values ---------------------------------------
+    def run(self, fn, args, kwargs):
+        args = _select_local(args)
+        kwargs = _select_local(kwargs)
+        return fn(*args, **kwargs)
+
+    def reduce(self, op, value, axis):
+        x = _as_tensor(local_results(value)[0]).to(self.device)
+        if axis is None:
+            total = x.detach().clone().float()
+            dist.all_reduce(total, group=self.aux_group)
+            if op is ReduceOp.MEAN:
+                total = total / self.world_size
+            return total
+        count = torch.tensor([float(x.shape[axis])], device=self.device)
+        total = x.detach().float().sum(axis)
+        packed = torch.cat([total.reshape(-1), count])
+        dist.all_reduce(packed, group=self.aux_group)
+        total = packed[:-1].reshape(total.shape)
+        if op is ReduceOp.MEAN:
+            total = total / packed[-1].clamp_min(1)
+        return total
+
+    def gather(self, value, axis):
+        x = _as_tensor(local_results(value)[0]).to(self.device)
+        return all_gather_concat(x, axis, self.aux_group, self.world_size)
+
+    def local_results(self, value):
+        return local_results(value)
+
+    def distribute_dataset(self, dataset):
+        return DistributedDataset(dataset, self.rank, self.world_size)
+
+
+def all_gather_concat(x, axis, group, world_size):
+    """Concatenates each rank's `x` along `axis` (sizes may differ)."""
+    x = torch.movedim(x.detach(), axis, 0).contiguous()
+    size = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]
+    longest = max(sizes)
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded, group=group)
+    out = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+    return torch.movedim(out, 0, axis)
+
+
+def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
+    """Returns this process's replicator for a `kind` strategy.
+
+    A one-process runtime (a one-device strategy, or one device outside a
+    launched job) gets Keras's own step; otherwise this process is one rank
+    of a torch.distributed job with one process per device.
+    """
+    del kind
+    devices = [normalize_device(d) for d in devices]
+    if not isinstance(runtime, TorchRuntime):
+        return OneDeviceEngine(devices[0])
+    engine = MirroredEngine(devices, sync_batch_norm, runtime)
+    engine.input_options = input_options
+    return engine
+
+
+# -- helpers ------------------------------------------------------------------
+def _as_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(np.asarray(x))
+
+
+def _select_local(structure):
+    def pick(x):
+        if isinstance(x, PerReplica):
+            if len(x) != 1:
+                raise ValueError(
+                    "On torch each process holds one replica; a per-replica "
+                    f"value with {len(x)} parts cannot be used here. Pass "
+                    "this process's own part."
+                )
+            return x.values[0]
+        return x
+
+    if not structure:
+        return structure
+    return tree.map_structure(pick, structure, none_is_leaf=True)

@@ -16,7 +16,6 @@ same, exact result, and nothing is padded or dropped.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import jax
 import numpy as np
@@ -25,89 +24,19 @@ from keras import distribution as keras_distribution
 from keras import tree
 from keras.src.backend import StatelessScope
 
-from keras_dist._src.data import check_batch_consistency
+from keras_dist._src.backends.jax.batch_norm import average_moving_statistics
+from keras_dist._src.backends.jax.devices import BATCH_AXIS, devices_by_name
+from keras_dist._src.backends.jax.inputs import (
+    DistributedDataset,
+    select_replica,
+    stack_outputs,
+)
+from keras_dist._src.core.inputs import check_batch_consistency
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
-    DevicesAlreadyInitializedError,
     VariablesOutsideScopeError,
 )
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
-
-NAME = "jax"
-# keras_dist's own mesh axis name: tells its variables from those of a
-# `keras.distribution` layout (whose meshes compare equal to ours otherwise).
-BATCH_AXIS = "keras_dist_replica"
-
-
-def _jax_devices_by_name() -> dict:
-    devices = {}
-    for device in jax.devices():
-        devices[f"{device.platform}:{device.id}"] = device
-    if jax.default_backend() != "cpu":
-        try:
-            for device in jax.devices("cpu"):
-                devices.setdefault(f"cpu:{device.id}", device)
-        except RuntimeError:
-            pass
-    return devices
-
-
-def list_devices(device_type: str | None = None) -> list[str]:
-    """Devices of this process as ``"type:index"`` names."""
-    names = list(_jax_devices_by_name())
-    if device_type:
-        names = [n for n in names if n.startswith(device_type.lower() + ":")]
-    return names
-
-
-def default_devices() -> list[str]:
-    """Every device of JAX's default platform (GPUs/TPUs, else CPUs)."""
-    return [f"{d.platform}:{d.id}" for d in jax.devices()]
-
-
-def _backends_initialized() -> bool:
-    from jax._src import xla_bridge
-
-    check = getattr(xla_bridge, "backends_are_initialized", None)
-    if check is not None:
-        return bool(check())
-    return bool(getattr(xla_bridge, "_backends", {}))
-
-
-def simulate_cpu_devices(count: int) -> None:
-    """Makes JAX's CPU platform expose `count` devices.
-
-    Raises:
-        DevicesAlreadyInitializedError: if JAX has already started.
-    """
-    if _backends_initialized():
-        current = len(jax.devices("cpu"))
-        if current == count:
-            return
-        raise DevicesAlreadyInitializedError(
-            f"Cannot simulate {count} CPU devices: JAX has already started "
-            f"with {current}. Call keras_dist.simulate_cpu_devices({count}) "
-            "(or set KERAS_DIST_CPU_DEVICES) before any JAX computation, "
-            "e.g. right after `import keras_dist`."
-        )
-    jax.config.update("jax_num_cpu_devices", int(count))
-    # Keep child processes (and XLA itself) consistent with the request.
-    flag = f"--xla_force_host_platform_device_count={int(count)}"
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
-
-
-def variables_distributed(model) -> bool:
-    """Whether a variable of `model` is laid out on a keras_dist mesh."""
-    for variable in model.variables:
-        mesh = getattr(getattr(variable.value, "sharding", None), "mesh", None)
-        if BATCH_AXIS in getattr(mesh, "axis_names", ()):
-            return True
-    return False
 
 
 class _ExactDataParallel(keras_distribution.DataParallel):
@@ -127,11 +56,9 @@ class _ExactDataParallel(keras_distribution.DataParallel):
 class OneDeviceEngine:
     """Everything placed on one device; Keras's own step, unchanged."""
 
-    is_chief = True  # one process drives every device
-
     def __init__(self, device: str):
         self.devices = (device,)
-        self._device = _jax_devices_by_name()[device]
+        self._device = devices_by_name()[device]
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -171,18 +98,16 @@ class OneDeviceEngine:
         return local_results(value)
 
     def distribute_dataset(self, dataset):
-        return _DistributedDataset(dataset, [self._device])
+        return DistributedDataset(dataset, [self._device])
 
 
 class MirroredEngine:
     """Replicated variables, batch-sharded data, one jitted SPMD step."""
 
-    is_chief = True  # one process drives every device
-
     def __init__(self, devices, sync_batch_norm: bool):
         self.sync_batch_norm = bool(sync_batch_norm)
         self.devices = tuple(devices)
-        by_name = _jax_devices_by_name()
+        by_name = devices_by_name()
         self._jax_devices = [by_name[d] for d in self.devices]
         self.mesh = Mesh(np.array(self._jax_devices), (BATCH_AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -261,12 +186,12 @@ class MirroredEngine:
         n = len(self.devices)
         outputs = []
         for i, device in enumerate(self._jax_devices):
-            a = _select_replica(args, i, n)
-            k = _select_replica(kwargs, i, n)
+            a = select_replica(args, i, n)
+            k = select_replica(kwargs, i, n)
             with jax.default_device(device):
                 a, k = jax.device_put((a, k), device)
                 outputs.append(fn(*a, **k))
-        return _stack_outputs(outputs)
+        return stack_outputs(outputs)
 
     def reduce(self, op, value, axis):
         return _reduce(op, value, axis, len(self.devices))
@@ -278,7 +203,7 @@ class MirroredEngine:
         return local_results(value)
 
     def distribute_dataset(self, dataset):
-        return _DistributedDataset(dataset, self._jax_devices)
+        return DistributedDataset(dataset, self._jax_devices)
 
 
 class _StepFunctions:
@@ -373,12 +298,7 @@ class _StepFunctions:
             finally:
                 optimizer.__dict__.pop("stateless_apply", None)
             trainable, non_trainable, opt_vars, metrics = new_state
-            non_trainable = [
-                jax.lax.pmean(v, BATCH_AXIS)
-                if jax.numpy.issubdtype(v.dtype, jax.numpy.floating)
-                else v
-                for v in non_trainable
-            ]
+            non_trainable = average_moving_statistics(non_trainable)
             metrics = [
                 old + jax.lax.psum(new - old, BATCH_AXIS)
                 for old, new in zip(old_metrics, metrics)
@@ -434,39 +354,18 @@ class _StepFunctions:
         return model.predict_function
 
 
-def create_engine(devices, sync_batch_norm: bool, input_options):
-    """Returns the engine for `devices` (one device: no mesh at all)."""
+def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
+    """Returns the replicator of a `kind` strategy over `devices`.
+
+    One device needs no mesh at all (Keras's own step, placed on it).
+    """
+    del kind, runtime
     devices = [normalize_device(d) for d in devices]
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])
     # One worker (this process): every shard policy reads the whole input.
     del input_options
     return MirroredEngine(devices, sync_batch_norm)
-
-
-# -- per-replica helpers ------------------------------------------------------
-def _select_replica(structure, index, count):
-    def pick(x):
-        if isinstance(x, PerReplica):
-            if len(x) != count:
-                raise ValueError(
-                    f"A per-replica value has {len(x)} parts but the "
-                    f"strategy has {count} replicas."
-                )
-            return x.values[index]
-        return x
-
-    return (
-        tree.map_structure(pick, structure, none_is_leaf=True)
-        if structure
-        else structure
-    )
-
-
-def _stack_outputs(outputs):
-    if len(outputs) == 1:
-        return outputs[0]
-    return tree.map_structure(lambda *xs: PerReplica(xs), *outputs)
 
 
 def _reduce(op, value, axis, count):
@@ -491,22 +390,3 @@ def _reduce(op, value, axis, count):
 def _gather(value, axis):
     parts = [np.asarray(p) for p in local_results(value)]
     return jax.numpy.asarray(np.concatenate(parts, axis=axis))
-
-
-class _DistributedDataset:
-    """Splits each global batch of a dataset across replica devices."""
-
-    def __init__(self, dataset, devices):
-        self._dataset = dataset
-        self._devices = devices
-
-    def __iter__(self):
-        from keras_dist._src.data import iterate_numpy_batches, split_batch
-
-        for batch in iterate_numpy_batches(self._dataset):
-            parts = split_batch(batch, len(self._devices))
-            placed = [
-                jax.device_put(part, device)
-                for part, device in zip(parts, self._devices)
-            ]
-            yield _stack_outputs(placed)

@@ -9,9 +9,9 @@ import keras
 from keras_dist._src.errors import UnsupportedBackendError
 
 _MODULES = {
-    "jax": "keras_dist._src.backend.jax_backend",
-    "tensorflow": "keras_dist._src.backend.tensorflow_backend",
-    "torch": "keras_dist._src.backend.torch_backend",
+    "jax": "keras_dist._src.backends.jax",
+    "tensorflow": "keras_dist._src.backends.tensorflow",
+    "torch": "keras_dist._src.backends.torch",
 }
 _loaded = None
 

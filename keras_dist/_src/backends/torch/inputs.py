@@ -24,7 +24,7 @@ before every step the ranks all-reduce whether they still have a batch and
 how many samples it holds; a rank that has run out takes part with an empty
 batch (zero gradient, no metric update) until every rank is done, so every
 sample is used exactly once and no collective is left unmatched. The step
-(`keras_dist._src.torch.steps`) then does not slice, and weights the local
+(`keras_dist._src.backends.torch.data_parallel`) then does not slice, and weights the local
 mean loss with ``n_local * world / n_global``.
 """
 
@@ -45,7 +45,8 @@ from keras.src.trainers.data_adapters import (
     data_adapter_utils,
 )
 
-from keras_dist._src import launch
+from keras_dist._src.cluster import supervision
+from keras_dist._src.core.shards import shard_size
 from keras_dist._src.options import ShardPolicy
 
 _FILE_READERS = re.compile(
@@ -57,7 +58,7 @@ _logged: set = set()
 def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
-        launch.log(message)
+        supervision.log(message)
 
 
 # -- classification -----------------------------------------------------------
@@ -112,8 +113,7 @@ def resolve_policy(policy: ShardPolicy, x) -> ShardPolicy:
 
 def local_batch_size(global_batch: int, rank: int, world: int) -> int:
     """This rank's share of a global batch (``numpy.array_split`` sizes)."""
-    base, extra = divmod(int(global_batch), world)
-    return base + (1 if rank < extra else 0)
+    return shard_size(int(global_batch), rank, world)
 
 
 # -- checks -------------------------------------------------------------------
@@ -461,3 +461,24 @@ def prepare_arguments(engine, name, method, args, kwargs):
                 steps_per_epoch=arguments.get("validation_steps"),
             )
     return bound.args, bound.kwargs
+
+
+class DistributedDataset:
+    """This rank's shard of each global batch of a dataset."""
+
+    def __init__(self, dataset, rank, world_size):
+        self._dataset = dataset
+        self._rank = rank
+        self._world = world_size
+
+    def __iter__(self):
+        from keras_dist._src.core.inputs import iterate_numpy_batches
+        from keras_dist._src.core.shards import split_batch
+
+        for batch in iterate_numpy_batches(self._dataset):
+            part = split_batch(batch, self._world)[self._rank]
+            yield tree.map_structure(
+                lambda x: None if x is None else torch.as_tensor(x),
+                part,
+                none_is_leaf=True,
+            )

@@ -1,9 +1,12 @@
 """The contract every backend implements, written down once.
 
-A backend is a module with the free functions of `BackendModule`; its
-`create_engine` returns an object satisfying `Engine`. `tests/test_contract.py`
-checks that every backend module has all of it, with the same signatures, so
-the backends cannot drift apart silently.
+A backend is a package (``keras_dist._src.backends.<name>``) with the same
+inner modules as every other (`INNER_MODULES`) and the free functions of
+`BackendModule`. Its `create_runtime` returns a `Runtime` (cluster
+membership and host-value collectives, `keras_dist._src.runtime`) and its
+`create_engine` the replicator of one strategy kind, an `Engine`.
+`tests/test_contract.py` checks every backend against all of it (same
+signatures), and `tests/test_runtime.py` checks the runtimes' behaviour.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from keras_dist._src.runtime import Runtime
+
 
 @runtime_checkable
 class Engine(Protocol):
     """Runs replicated computation on a fixed list of devices."""
 
     devices: tuple[str, ...]
-    is_chief: bool  # this process prints and writes files
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -55,7 +59,7 @@ class Engine(Protocol):
 
 
 class BackendModule(Protocol):
-    """Free functions of a backend module (``keras_dist._src.backend.<b>``)."""
+    """Free functions of a backend module (``keras_dist._src.backends.<b>``)."""
 
     NAME: str
 
@@ -71,17 +75,34 @@ class BackendModule(Protocol):
     def variables_distributed(self, model) -> bool:
         """Whether `model` has variables placed by a multi-device strategy."""
 
-    def create_engine(
-        self, devices: Sequence[str], sync_batch_norm: bool, input_options
-    ) -> Engine:
-        """Returns the engine running replicas on `devices`."""
+    def create_runtime(
+        self, kind: str, devices: Sequence[str], environment
+    ) -> Runtime:
+        """This process's `Runtime` for a `kind` strategy (may join the job:
+        e.g. `jax.distributed.initialize`, a torch process group)."""
 
+    def create_engine(
+        self,
+        kind: str,
+        devices: Sequence[str],
+        runtime: Runtime,
+        sync_batch_norm: bool,
+        input_options,
+    ) -> Engine:
+        """Returns the replicator of a `kind` strategy on `devices`."""
+
+
+#: Strategy kinds a backend's `create_runtime`/`create_engine` accept.
+KINDS = ("one_device", "mirrored", "multi_worker")
+#: Inner modules every backend package has (the same layout everywhere).
+INNER_MODULES = ("devices", "runtime", "data_parallel", "inputs", "batch_norm")
 
 CONTRACT_FUNCTIONS = (
     "list_devices",
     "default_devices",
     "simulate_cpu_devices",
     "variables_distributed",
+    "create_runtime",
     "create_engine",
 )
 ENGINE_METHODS = (

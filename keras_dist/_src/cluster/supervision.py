@@ -1,34 +1,30 @@
-"""Starting and supervising one process per device on this host.
-
-Backend-neutral building blocks: pick a free port, build the command that
-re-runs the current program, start the other ranks with the environment
-variables torch.distributed (``env://``) and most launchers understand, and
-watch them. The process that runs the user's script becomes rank 0; it
-supervises its children, and each child exits when its parent dies.
+"""Supervision of a job's processes: failures stop every rank, never a hang.
 
 Failures travel through a key/value store (for torch, a ``TCPStore`` client
 to the rendezvous store): the first rank that fails writes
-``"rank R: Type: message"`` under `ERROR_KEY`; every rank's watchdog polls
-that key and stops its process with a message naming the failing rank.
+``"rank R: Type: message"`` under `ERROR_KEY`; every rank's `Watchdog` polls
+that key and stops its process with a message naming the failing rank. The
+process that started the others (rank 0 of a relaunched job, or
+``keras-dist launch``) runs a `Supervisor` over its children.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 ERROR_KEY = "keras_dist/error"
-ENV_LAUNCHED = "KERAS_DIST_LAUNCHED"
-ENV_NO_LAUNCH = "KERAS_DIST_NO_LAUNCH"
+
+
 # How often watch threads poll; tests set it low to widen exit-time races.
 POLL_SECONDS = float(os.environ.get("KERAS_DIST_POLL_SECONDS", "0.5"))
+
+
 EXIT_CODE = 1
 
 
@@ -36,151 +32,6 @@ def log(message: str) -> None:
     """Writes `message` to stderr, prefixed with keras_dist, and flushes."""
     sys.stderr.write(f"keras_dist: {message}\n")
     sys.stderr.flush()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Returns a TCP port that is free on `host` right now.
-
-    Binds port 0 so that the OS picks; never a fixed port, so that several
-    jobs (and parallel tests) on one host do not collide.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def env_rank() -> tuple[int, int, int] | None:
-    """Returns ``(rank, world_size, local_rank)`` set by a launcher, or None.
-
-    Recognises torchrun and keras_dist's own launcher (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), then
-    a task started by SLURM's ``srun`` (see `slurm_env`), whose variables it
-    exports in torchrun's names.
-    """
-    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if not all(os.environ.get(k) for k in needed):
-        slurm = slurm_env()
-        if slurm is None:
-            return None
-        os.environ.update(slurm)
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    return rank, world, local
-
-
-SLURM_VARIABLES = (
-    "SLURM_JOB_ID",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-)
-
-
-def slurm_env() -> dict | None:
-    """torchrun's variables for a task of a multi-task ``srun`` step.
-
-    Only ``srun`` sets ``SLURM_STEP_NODELIST``, so an ``sbatch`` script
-    itself (one process in an allocation of many tasks) is not taken for a
-    rank. As in ``jax.distributed``'s SLURM support, rank 0 runs on the
-    step's first node and the port is derived from the job id (in
-    61440..65535), unless ``MASTER_ADDR``/``MASTER_PORT`` are set.
-
-    Returns:
-        ``{"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-        "MASTER_PORT"}``, or None outside such a step.
-    """
-    if not all(os.environ.get(name) for name in SLURM_VARIABLES):
-        return None
-    world = int(os.environ["SLURM_NTASKS"])
-    if world < 2:
-        return None
-    port = int(os.environ["SLURM_JOB_ID"]) % 4096 + 61440
-    return {
-        "RANK": os.environ["SLURM_PROCID"],
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": os.environ["SLURM_LOCALID"],
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR")
-        or first_slurm_host(os.environ["SLURM_STEP_NODELIST"]),
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(port),
-    }
-
-
-def first_slurm_host(node_list: str) -> str:
-    """First host of a SLURM node list: ``"gpu[003-005,9],cpu1"`` gives
-    ``"gpu003"``."""
-    head = node_list.split(",", 1)[0]
-    if "[" not in head:
-        return head
-    prefix, _, ranges = node_list.partition("[")
-    return prefix + re.split(r"[,\-\]]", ranges, maxsplit=1)[0]
-
-
-def relaunch_command() -> list[str]:
-    """Returns the command line that re-runs the current program.
-
-    Uses ``sys.orig_argv`` (so ``python -m pkg.module args`` and interpreter
-    flags are kept) with ``sys.executable`` as the interpreter.
-
-    Raises:
-        RuntimeError: when the program cannot be re-run (an interactive
-            session, a notebook or pytest).
-    """
-    main = sys.modules.get("__main__")
-    argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv)
-    interactive = hasattr(sys, "ps1") or not getattr(main, "__file__", None)
-    script = os.path.basename(sys.argv[0] if sys.argv else "")
-    under_pytest = script.startswith(("pytest", "py.test")) or (
-        "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["pytest"]
-    )
-    if interactive or under_pytest or os.environ.get(ENV_NO_LAUNCH):
-        where = "pytest" if under_pytest else "an interactive session"
-        if os.environ.get(ENV_NO_LAUNCH):
-            where = f"a process with {ENV_NO_LAUNCH} set"
-        raise RuntimeError(
-            f"keras_dist would start one process per device by re-running "
-            f"this program, but it runs in {where}, which cannot be "
-            "re-run. Put the training code in a script and run it with "
-            "`python train.py` (keras_dist starts the other processes) or "
-            "`torchrun --nproc_per_node=N train.py`."
-        )
-    return [sys.executable] + argv[1:]
-
-
-def child_env(
-    rank: int, world_size: int, port: int, extra: dict | None = None
-) -> dict:
-    """Returns the environment of the child process of `rank`."""
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **{ENV_LAUNCHED: str(os.getpid())},
-    )
-    env.update(extra or {})
-    return env
-
-
-def _set_parent_death_signal() -> None:
-    """Linux only: the child gets SIGKILL when its parent dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort; the watchdog remains.
-        pass
-
-
-def spawn(command: list[str], env: dict) -> subprocess.Popen:
-    """Starts one child process running `command` in `env`."""
-    preexec = _set_parent_death_signal if sys.platform == "linux" else None
-    return subprocess.Popen(command, env=env, preexec_fn=preexec)
 
 
 def describe_exit(returncode: int) -> str:
@@ -290,25 +141,6 @@ class Supervisor:
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(EXIT_CODE)
-
-
-def start_workers(world_size: int, port: int, extra_env=None) -> dict:
-    """Starts ranks 1..world_size-1 re-running this program.
-
-    Returns:
-        ``{rank: Popen}`` of the children.
-    """
-    command = relaunch_command()
-    children = {}
-    try:
-        for rank in range(1, world_size):
-            env = child_env(rank, world_size, port, extra_env)
-            children[rank] = spawn(command, env)
-    except BaseException:
-        for proc in children.values():
-            proc.kill()
-        raise
-    return children
 
 
 class Watchdog:

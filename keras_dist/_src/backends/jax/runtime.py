@@ -1,0 +1,92 @@
+"""The JAX Runtime: one process, or many through `jax.distributed`.
+
+A mirrored strategy drives every local device from this one process
+(`LocalRuntime`). A multi-worker strategy joins the job with
+`jax.distributed.initialize` (its coordination service; gloo collectives on
+CPU) and moves host values with `jax.experimental.multihost_utils`, whose
+collectives run on the devices of every process.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from keras_dist._src.cluster.environments import (
+    ClusterEnvironment,
+    detect_environment,
+)
+from keras_dist._src.errors import KerasDistError
+from keras_dist._src.runtime import HostRuntime, LocalRuntime
+
+
+class JaxRuntime(HostRuntime):
+    """Host-value collectives between the processes of a JAX job."""
+
+    def _barrier(self) -> None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("keras_dist")
+
+    # JAX computes in 32 bits unless x64 is enabled: move the bytes of
+    # 64-bit values as uint32 pairs, exactly, and reduce on the host.
+    def _broadcast(self, flat: np.ndarray, root: int) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        words = flat.view(np.uint32)
+        out = multihost_utils.broadcast_one_to_all(
+            words, is_source=self.rank == root
+        )
+        return np.asarray(out, np.uint32).view(flat.dtype)
+
+    def _all_gather(self, flat: np.ndarray) -> list[np.ndarray]:
+        from jax.experimental import multihost_utils
+
+        words = flat.view(np.uint32)
+        out = np.asarray(multihost_utils.process_allgather(words), np.uint32)
+        out = out.reshape(self.world_size, -1)
+        return [row.view(flat.dtype) for row in out]
+
+    def _all_reduce(self, flat: np.ndarray, op: str) -> np.ndarray:
+        stacked = np.stack(self._all_gather(flat))
+        return {"sum": np.sum, "max": np.max, "min": np.min}[op](
+            stacked, axis=0
+        )
+
+
+def _initialize(environment: ClusterEnvironment) -> None:
+    """Joins the JAX job (once), before JAX's backends start."""
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        return  # already initialised (by the user or an earlier strategy)
+    from keras_dist._src.backends.jax.devices import backends_initialized
+
+    if backends_initialized():
+        raise KerasDistError(
+            "A multi-worker strategy on JAX must be created before JAX "
+            "starts computing (jax.distributed.initialize has to run first). "
+            "Create the strategy at the top of the program, right after "
+            "`import keras_dist`."
+        )
+    if jax.config.jax_platforms in (None, "", "cpu") or (
+        "cpu" in str(jax.config.jax_platforms)
+    ):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=environment.coordinator_address,
+        num_processes=environment.world_size,
+        process_id=environment.rank,
+    )
+
+
+def create_runtime(kind, devices, environment=None):
+    """The runtime of a `kind` strategy: multi-worker joins the job."""
+    del devices
+    if kind != "multi_worker":
+        return LocalRuntime()
+    environment = environment or detect_environment()
+    if not environment.is_distributed:
+        return LocalRuntime(environment)
+    _initialize(environment)
+    return JaxRuntime(environment)

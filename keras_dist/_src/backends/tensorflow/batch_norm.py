@@ -1,0 +1,106 @@
+"""Global-batch (or per-replica) BatchNormalization moments on TF."""
+
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+
+
+def set_batch_norm_sync(layer, sync: bool) -> None:
+    """Gives `layer` global-batch (or per-replica) moments in training.
+
+    Keras's own ``synchronized=True`` path fails with shards of unequal or
+    zero size (a collective shape mismatch in the backward pass, seen with
+    Keras 3.15 and TF 2.21), and computes the variance as E[x^2] - E[x]^2.
+    This replacement all-reduces sums and counts (so shards of any size,
+    including empty ones, are weighted exactly), takes the variance in a
+    second pass around the global mean, and defines the gradient of each
+    all-reduce explicitly, so every replica runs the same collectives.
+    """
+    layer.synchronized = False
+    if not sync:
+        layer.__dict__.pop("_moments", None)
+        # Keras creates the moving statistics with aggregation "none", which
+        # tf.distribute resolves by keeping the first replica's update; the
+        # mean over replicas (what the JAX and torch backends do) uses every
+        # replica's statistics.
+        for variable in (layer.moving_mean, layer.moving_variance):
+            value = variable.value
+            if hasattr(value, "_aggregation"):
+                value._aggregation = tf.VariableAggregation.MEAN
+        return
+    original = type(layer)._moments.__get__(layer)
+
+    def moments(inputs, mask):
+        context = tf.distribute.get_replica_context()
+        if (
+            mask is not None
+            or context is None
+            or context.num_replicas_in_sync == 1
+        ):
+            return original(inputs, mask)
+        valid = getattr(REPLICA_STATE, "valid", None)
+        return _global_moments(context, inputs, layer._reduction_axes, valid)
+
+    layer.__dict__["_moments"] = moments
+
+
+def _global_moments(context, inputs, axes, valid):
+    """Count-weighted mean and variance over all replicas' samples."""
+    dtype = inputs.dtype
+    x = tf.cast(inputs, "float32")
+    weight = tf.ones_like(x)
+    if valid is not None:
+        # The mask is per sample of the step's batch; a layer whose first
+        # axis is something else (after a reshape) is left unmasked.
+        mask = expand_like(valid, x)
+        weight = tf.cond(
+            tf.equal(tf.shape(valid)[0], tf.shape(x)[0]),
+            lambda: weight * mask,
+            lambda: weight,
+        )
+    sums = tf.stack(
+        [
+            tf.reduce_sum(x * weight, axis=axes),
+            tf.reduce_sum(weight, axis=axes),
+        ]
+    )
+    total = _all_reduce_sum(context, sums)
+    count = total[1]
+    mean = tf.math.divide_no_nan(total[0], count)
+    centered = tf.reduce_sum(
+        weight * tf.square(x - _keep_dims(mean, axes, x.shape.rank)),
+        axis=axes,
+    )
+    variance = tf.math.divide_no_nan(_all_reduce_sum(context, centered), count)
+    return tf.cast(mean, dtype), tf.cast(variance, dtype)
+
+
+def _keep_dims(value, axes, rank):
+    axes = sorted(a % rank for a in axes)
+    for axis in axes:
+        value = tf.expand_dims(value, axis)
+    return value
+
+
+def _all_reduce_sum(context, value):
+    """All-reduce (SUM) whose gradient is the all-reduced upstream gradient."""
+
+    @tf.custom_gradient
+    def reduce(local):
+        def grad(upstream):
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
+
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, local), grad
+
+    return reduce(value)
+
+
+REPLICA_STATE = threading.local()
+
+
+def expand_like(vector, tensor):
+    """Reshapes a per-sample `vector` to broadcast against `tensor`."""
+    rank = tensor.shape.rank or 1
+    return tf.reshape(vector, [-1] + [1] * (rank - 1))

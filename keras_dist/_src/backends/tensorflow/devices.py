@@ -1,0 +1,68 @@
+"""TensorFlow devices: logical device names and simulated CPU devices."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_dist._src.devices import normalize_device
+from keras_dist._src.errors import (
+    DevicesAlreadyInitializedError,
+)
+
+
+def tf_device_name(device: str) -> str:
+    kind, index = device.split(":")
+    return f"/device:{kind.upper()}:{index}"
+
+
+def list_devices(device_type: str | None = None) -> list[str]:
+    """Logical devices of this process as ``"type:index"`` names."""
+    names = []
+    for device in tf.config.list_logical_devices():
+        if device.device_type not in ("CPU", "GPU", "TPU"):
+            continue
+        names.append(normalize_device(device.name))
+    if device_type:
+        names = [n for n in names if n.startswith(device_type.lower() + ":")]
+    return names
+
+
+def default_devices() -> list[str]:
+    """Every GPU (or TPU) if there is one, else every logical CPU."""
+    for kind in ("gpu", "tpu", "cpu"):
+        devices = list_devices(kind)
+        if devices:
+            return devices
+    raise RuntimeError("TensorFlow reports no devices at all.")
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Splits the host CPU into `count` logical devices.
+
+    Raises:
+        DevicesAlreadyInitializedError: if TensorFlow has started already.
+    """
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * int(count)
+        )
+    except RuntimeError as error:
+        current = len(tf.config.list_logical_devices("CPU"))
+        if current == count:
+            return
+        raise DevicesAlreadyInitializedError(
+            f"Cannot simulate {count} CPU devices: TensorFlow has already "
+            f"initialised its devices ({current} CPU). Call "
+            f"keras_dist.simulate_cpu_devices({count}) (or set "
+            "KERAS_DIST_CPU_DEVICES) before any TensorFlow operation, e.g. "
+            "right after `import keras_dist`."
+        ) from error
+
+
+def variables_distributed(model) -> bool:
+    """Whether `model` was built in the scope of a keras_dist strategy (and
+    not only of a plain `tf.distribute` one, which keras_dist leaves alone).
+    """
+    strategy = getattr(model, "_distribute_strategy", None)
+    return getattr(type(strategy), "_keras_dist", False)

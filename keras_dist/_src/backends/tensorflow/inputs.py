@@ -1,0 +1,141 @@
+"""Exact splitting of global batches across tf.distribute replicas."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import tree
+from tensorflow.python.data.experimental.ops import (
+    distribute as tfdata_distribute,
+)
+
+from keras_dist._src.context import current_call
+
+GLOBAL_COUNT_KEY = "keras_dist_global_count"
+
+
+BATCH_KEY = "keras_dist_batch"
+
+
+LOCAL_COUNT_KEY = "keras_dist_local_count"
+
+
+COUNT_PER_SAMPLE_KEY = "keras_dist_count_per_sample"
+
+
+EXACT_CALLS = ("fit", "evaluate")
+
+
+def without_count(data):
+    if isinstance(data, dict) and BATCH_KEY in data:
+        return data[BATCH_KEY]
+    return data
+
+
+def distribute_global_batches(strategy, dataset, options=None):
+    """Splits each global batch of `dataset` across replicas, exactly.
+
+    Where tf.distribute can rebatch the dataset (its batch size is found in
+    the dataset's graph: arrays, `tf.data` batched with `.batch`), its own
+    fast rebatching splits every global batch; in `fit`/`evaluate` a
+    per-sample copy of the global batch size travels with the data, so the
+    exact step needs no collective to learn it. Elsewhere (input from
+    generators and PyDatasets) tf.distribute would give each replica a whole
+    batch, making the global batch N times too large: keras_dist then splits
+    every batch itself like `numpy.array_split`, in sample order, and hands
+    replicas their parts in turn through `distribute_datasets_from_function`.
+    """
+    replicas = strategy.num_replicas_in_sync
+    with_count = current_call() in EXACT_CALLS
+    native = tf.distribute.MirroredStrategy.experimental_distribute_dataset
+    if int(tfdata_distribute.compute_batch_size(dataset)) >= 0:
+        if with_count:
+
+            def add_count(*batch):
+                # Each sample carries the global batch size, so the step
+                # needs no collective to learn it. A batch whose size does
+                # not divide by the replica count gets zero samples
+                # (carrying 0) appended up to the next multiple, so that
+                # tf.distribute's ceil-sized parts are never empty (6 over 4
+                # would give 2, 2, 2, 0): with cross-replica
+                # BatchNormalization an empty part aborts the step.
+                batch = batch[0] if len(batch) == 1 else batch
+                leaves = [t for t in tree.flatten(batch) if t is not None]
+                count = tf.shape(leaves[0])[0]
+                missing = (replicas - count % replicas) % replicas
+                batch = tree.map_structure(
+                    lambda t: pad_rows(t, missing),
+                    batch,
+                )
+                per_sample = tf.concat(
+                    [tf.fill([count], count), tf.zeros([missing], "int32")],
+                    axis=0,
+                )
+                return {BATCH_KEY: batch, COUNT_PER_SAMPLE_KEY: per_sample}
+
+            dataset = dataset.map(add_count)
+        return native(strategy, dataset, options)
+
+    def split(*batch):
+        batch = batch[0] if len(batch) == 1 else batch
+        leaves = [t for t in tree.flatten(batch) if t is not None]
+        count = tf.shape(leaves[0])[0]
+        base, extra = count // replicas, count % replicas
+
+        def part(i):
+            i = tf.cast(i, "int32")
+            start = i * base + tf.minimum(i, extra)
+            stop = start + base + tf.cast(i < extra, "int32")
+            shard = tree.map_structure(
+                lambda t: None if t is None else t[start:stop], batch
+            )
+            if not with_count:
+                return shard
+            # An empty part becomes one zero sample (masked in the step):
+            # with cross-replica BatchNormalization an empty shard aborts
+            # the step with a collective shape mismatch.
+            empty = tf.cast(tf.equal(stop, start), "int32")
+            shard = tree.map_structure(lambda t: pad_rows(t, empty), shard)
+            return {
+                BATCH_KEY: shard,
+                GLOBAL_COUNT_KEY: count,
+                LOCAL_COUNT_KEY: stop - start,
+            }
+
+        return tf.data.Dataset.range(replicas).map(part)
+
+    parts = dataset.flat_map(split)
+    return strategy.distribute_datasets_from_function(lambda _: parts, options)
+
+
+def pad_rows(tensor, count):
+    if tensor is None:
+        return None
+    zeros = tf.zeros(
+        tf.concat([[count], tf.shape(tensor)[1:]], axis=0), tensor.dtype
+    )
+    return tf.concat([tensor, zeros], axis=0)
+
+
+class DistributedIterable:
+    """Per-replica batches from any iterable of global batches."""
+
+    def __init__(self, engine, dataset):
+        self._engine = engine
+        self._dataset = dataset
+
+    def __iter__(self):
+        from keras_dist._src.core.inputs import iterate_numpy_batches
+        from keras_dist._src.core.shards import split_batch
+
+        count = self._engine.num_replicas_in_sync
+        for batch in iterate_numpy_batches(self._dataset):
+            parts = split_batch(batch, count)
+            if count == 1:
+                yield tree.map_structure(tf.convert_to_tensor, parts[0])
+                continue
+            strategy = self._engine.tf_strategy
+            yield strategy.experimental_distribute_values_from_function(
+                lambda ctx, parts=parts: tree.map_structure(
+                    tf.convert_to_tensor, parts[ctx.replica_id_in_sync_group]
+                )
+            )

@@ -1,0 +1,109 @@
+"""The TensorFlow Runtime: one process, or many through TF's coordination
+service.
+
+A mirrored strategy drives every local device from this one process
+(`LocalRuntime`). Workers of a multi-worker strategy share the coordination
+service that `tf.distribute.MultiWorkerMirroredStrategy` starts (the one its
+own `PreemptionCheckpointHandler` uses): host values go through its
+key-value store and `barrier` is its barrier.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+
+import numpy as np
+
+from keras_dist._src.cluster.environments import detect_environment
+from keras_dist._src.runtime import HostRuntime, LocalRuntime
+
+_BARRIER_TIMEOUT_MS = 24 * 3600 * 1000
+
+
+def _context():
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+class TfRuntime(HostRuntime):
+    """Host-value collectives through the coordination service's store.
+
+    Every process makes the same collectives in the same order, so the
+    n-th one uses keys numbered n. A process's keys are deleted once every
+    process is known to have read them (after the next gather or barrier).
+    """
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        self._sequence = itertools.count()
+        self._stale: list[str] = []
+
+    def _key(self, sequence: int, rank: int) -> str:
+        return f"keras_dist/{sequence}/{rank}"
+
+    def _put(self, key: str, flat: np.ndarray) -> None:
+        payload = (
+            flat.dtype.str + ":" + base64.b64encode(flat.tobytes()).decode()
+        )
+        _context().set_config_key_value(key, payload)
+
+    def _get(self, key: str) -> np.ndarray:
+        payload = _context().get_config_key_value(key)
+        dtype, _, data = payload.partition(":")
+        return np.frombuffer(base64.b64decode(data), np.dtype(dtype)).copy()
+
+    def _forget_stale(self, keep: list[str]) -> None:
+        for key in self._stale:
+            try:
+                _context().delete_config_key_value(key)
+            except Exception:  # noqa: BLE001 - best effort clean-up
+                pass
+        self._stale = keep
+
+    def _barrier(self) -> None:
+        sequence = next(self._sequence)
+        _context().wait_at_barrier(
+            f"keras_dist/barrier/{sequence}", _BARRIER_TIMEOUT_MS
+        )
+        self._forget_stale([])
+
+    def _broadcast(self, flat: np.ndarray, root: int) -> np.ndarray:
+        sequence = next(self._sequence)
+        key = self._key(sequence, root)
+        if self.rank == root:
+            self._put(key, flat)
+            self._stale.append(key)
+            return flat
+        return self._get(key)
+
+    def _all_gather(self, flat: np.ndarray) -> list[np.ndarray]:
+        sequence = next(self._sequence)
+        mine = self._key(sequence, self.rank)
+        self._put(mine, flat)
+        parts = [
+            flat if r == self.rank else self._get(self._key(sequence, r))
+            for r in range(self.world_size)
+        ]
+        # Everyone has now published this round, so has read the last one.
+        self._forget_stale([mine])
+        return parts
+
+    def _all_reduce(self, flat: np.ndarray, op: str) -> np.ndarray:
+        stacked = np.stack(self._all_gather(flat))
+        return {"sum": np.sum, "max": np.max, "min": np.min}[op](
+            stacked, axis=0
+        )
+
+
+def create_runtime(kind, devices, environment=None):
+    """The runtime of a `kind` strategy (the multi-worker engine creates the
+    tf.distribute strategy that starts the coordination service)."""
+    del devices
+    if kind != "multi_worker":
+        return LocalRuntime()
+    environment = environment or detect_environment()
+    if not environment.is_distributed:
+        return LocalRuntime(environment)
+    return TfRuntime(environment)

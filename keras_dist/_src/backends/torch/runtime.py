@@ -1,0 +1,311 @@
+"""This process's place in a torch job: the process group and its Runtime.
+
+Joins the job a launcher (torchrun, SLURM, ``keras-dist launch``) started,
+or starts it by re-running the program (`MirroredStrategy` without a
+launcher), initialises the process group (NCCL on GPU, gloo on CPU),
+supervises the started children and watches for failures of other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_dist._src.cluster import launcher, supervision
+from keras_dist._src.cluster.environments import (
+    ClusterEnvironment,
+    detect_environment,
+)
+from keras_dist._src.errors import KerasDistError
+from keras_dist._src.runtime import HostRuntime, LocalRuntime
+
+ENV_TIMEOUT = "KERAS_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600
+
+
+class RankFailedError(KerasDistError):
+    """Another rank of the job failed; this rank stops too."""
+
+
+# -- process group ------------------------------------------------------------
+class _Job:
+    """This process's place in the job: rank, world, store clients."""
+
+    def __init__(self, environment: ClusterEnvironment, launched_children):
+        self.environment = environment
+        self.rank = environment.rank
+        self.world_size = environment.world_size
+        self.local_rank = environment.local_rank
+        self.supervisor = None
+        self.watchdog = None
+        self.children = launched_children
+        self._report_store = None
+        self._addr = environment.coordinator_host
+        self._port = environment.coordinator_port
+
+    def _client(self):
+        if not (self._addr and self._port):
+            return None
+        return dist.TCPStore(
+            self._addr,
+            int(self._port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=10),
+            wait_for_workers=False,
+        )
+
+    def report(self, message: str) -> str:
+        """Records `message` as the job's failure unless one is recorded.
+
+        Returns:
+            The first failure recorded (this one or an earlier one).
+        """
+        if self._report_store is None:
+            self._report_store = self._client()
+        if self._report_store is None:
+            return message
+        first = self._report_store.compare_set(
+            supervision.ERROR_KEY, "", message.encode()
+        )
+        return first.decode() if isinstance(first, bytes) else str(first)
+
+    def start_supervisor(self) -> None:
+        """Rank 0 of a launched job: starts watching its children."""
+        if self.children:
+            self.supervisor = supervision.Supervisor(
+                self.children, report=self.report
+            ).start()
+
+    def start_watchdog(self) -> None:
+        """Starts watching for failures of other ranks (after rendezvous)."""
+        client = self._client()
+        if client is None:
+            return
+        lock_free = {"store": client}
+
+        def check_error():
+            store = lock_free["store"]
+            if store.check([supervision.ERROR_KEY]):
+                return store.get(supervision.ERROR_KEY).decode()
+            return None
+
+        on_stop = None
+        if self.supervisor is not None:
+            on_stop = lambda reason: self.supervisor.terminate_children()  # noqa: E731
+        watch_parent = os.environ.get(launcher.ENV_LAUNCHED) is not None
+        self.watchdog = supervision.Watchdog(
+            self.rank, check_error, watch_parent, on_stop
+        ).start()
+
+    def mute(self) -> None:
+        """Stops watching (at a normal exit, when the store goes away)."""
+        if self.watchdog is not None:
+            self.watchdog.muted.set()
+
+    def stop_watchdog(self) -> None:
+        """Ends the watchdog thread before the interpreter finalizes."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+
+_job: _Job | None = None
+
+
+def _timeout() -> datetime.timedelta:
+    seconds = int(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+    return datetime.timedelta(seconds=seconds)
+
+
+def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
+    """Joins or launches the process group for `devices` (once per run).
+
+    Args:
+        devices: the strategy's devices (one per process).
+        environment: where this process stands; read from the launcher's
+            variables when None. A one-process environment means no
+            launcher: the other ranks are started here.
+    """
+    global _job
+    if _job is not None:
+        if _job.world_size != len(devices) and len(devices) > 1:
+            raise KerasDistError(
+                f"This process already belongs to a job of {_job.world_size} "
+                f"ranks; a strategy over {len(devices)} devices cannot be "
+                "created in it. Create one MirroredStrategy per program."
+            )
+        return _job
+    gpu = devices[0].startswith("gpu")
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        env = detect_environment()
+        _job = _Job(
+            dataclasses.replace(
+                env,
+                rank=rank,
+                world_size=world,
+                local_rank=min(local, max(env.local_world_size, 1) - 1),
+            )
+            if env.world_size == world
+            else ClusterEnvironment(
+                source="process_group",
+                rank=rank,
+                world_size=world,
+                local_rank=local,
+                local_world_size=max(local + 1, 1),
+                coordinator_host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                coordinator_port=int(os.environ.get("MASTER_PORT", "0")),
+            ),
+            {},
+        )
+        return _job
+    children = {}
+    if environment is None:
+        environment = detect_environment()
+    if not environment.is_distributed:
+        # No launcher: this process becomes rank 0 and starts the others by
+        # re-running the program (the documented behaviour of
+        # `MirroredStrategy` on torch without a launcher).
+        world = len(devices)
+        port = launcher.free_port()
+        extra = {}
+        if not gpu and "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, (os.cpu_count() or 1) // world)
+            extra["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
+        children = launcher.start_workers(world, port, extra)
+        environment = ClusterEnvironment(
+            source="keras_dist",
+            rank=0,
+            world_size=world,
+            local_rank=0,
+            local_world_size=world,
+            coordinator_host="127.0.0.1",
+            coordinator_port=port,
+        )
+    rank, world = environment.rank, environment.world_size
+    local = environment.local_rank
+    if world > 1 and len(devices) > 1 and world != len(devices):
+        supervision.log(
+            f"rank {rank}: {len(devices)} devices were requested but the job "
+            f"has {world} ranks (WORLD_SIZE); using one rank per process."
+        )
+    _job = _Job(environment, children)
+    _job.start_supervisor()
+    if gpu:
+        torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+    _install_excepthook(_job)
+    dist.init_process_group(
+        "nccl" if gpu else "gloo",
+        init_method=f"tcp://{environment.coordinator_address}",
+        rank=rank,
+        world_size=world,
+        timeout=_timeout(),
+    )
+    _job.start_watchdog()
+    import atexit
+
+    atexit.register(_shutdown)
+    return _job
+
+
+def _shutdown() -> None:
+    if _job is not None:
+        _job.stop_watchdog()
+        if _job.supervisor is not None:
+            # Keep the rendezvous store (hosted here) alive until every
+            # child is done; exits non-zero if one of them failed.
+            _job.supervisor.wait_at_exit()
+        _job.mute()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _install_excepthook(job: _Job) -> None:
+    original = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not isinstance(value, RankFailedError):
+            with contextlib.suppress(Exception):
+                job.report(f"rank {job.rank}: {kind.__name__}: {value}")
+        job.mute()
+        original(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+class TorchRuntime(HostRuntime):
+    """Host-value collectives of a torch job, over a gloo process group.
+
+    Host values travel on CPU tensors through their own gloo group (also
+    when training uses NCCL), so they never queue behind, or interleave
+    with, the training step's collectives.
+    """
+
+    def __init__(self, job: _Job):
+        super().__init__(job.environment)
+        self.job = job
+        self._group = dist.new_group(backend="gloo")
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def _broadcast(self, flat: np.ndarray, root: int) -> np.ndarray:
+        tensor = torch.from_numpy(np.ascontiguousarray(flat))
+        dist.broadcast(tensor, src=root, group=self._group)
+        return tensor.numpy()
+
+    def _all_reduce(self, flat: np.ndarray, op: str) -> np.ndarray:
+        tensor = torch.from_numpy(np.ascontiguousarray(flat))
+        reduce_op = {
+            "sum": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }[op]
+        dist.all_reduce(tensor, op=reduce_op, group=self._group)
+        return tensor.numpy()
+
+    def _all_gather(self, flat: np.ndarray) -> list[np.ndarray]:
+        tensor = torch.from_numpy(np.ascontiguousarray(flat))
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self._group)
+        return [p.numpy() for p in parts]
+
+    def shutdown(self) -> None:
+        """Stops the watchdog and leaves the process group (at exit)."""
+        _shutdown()
+
+
+def joins_job() -> bool:
+    """Whether this process is (or will be) one rank of a launched job."""
+    return dist.is_initialized() or detect_environment().is_distributed
+
+
+def create_runtime(kind, devices, environment=None):
+    """The runtime of a `kind` strategy over `devices`.
+
+    One process (`LocalRuntime`) for a one-device strategy, and for a
+    one-device mirrored strategy outside a launched job; otherwise this
+    process joins (or starts) the job and gets a `TorchRuntime`.
+    """
+    kinds = {d.split(":")[0] for d in devices}
+    if len(kinds) != 1 or kinds - {"cpu", "gpu"}:
+        raise ValueError(
+            f"The torch backend runs one process per device, all of one "
+            f"type (all 'gpu' or all 'cpu'); got {list(devices)}."
+        )
+    if kind == "one_device":
+        return LocalRuntime()
+    if environment is None and len(devices) == 1 and not joins_job():
+        return LocalRuntime()
+    if kind == "multi_worker" and environment is None:
+        environment = detect_environment()
+    return TorchRuntime(start_job(devices, environment))

@@ -1,0 +1,42 @@
+"""`MirroredStrategy`: synchronous data parallelism on one host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from keras_dist._src import backends as backend_lib
+from keras_dist._src.options import InputOptions
+from keras_dist._src.strategy import Strategy
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of one host.
+
+    Variables are mirrored on every device, each global batch is split across
+    the replicas and gradients are all-reduced, so every replica holds the
+    same weights after each step.
+
+    Args:
+        devices: device names; defaults to every GPU/TPU, else every
+            (simulated) CPU device.
+        sync_batch_norm: use global-batch BatchNormalization statistics
+            (default) or per-replica ones.
+        input_options: an `InputOptions`: how input is sharded between
+            workers (matters where there are several processes).
+    """
+
+    kind = "mirrored"
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        sync_batch_norm: bool = True,
+        input_options: InputOptions | None = None,
+    ):
+        if devices is None:
+            devices = backend_lib.get().default_devices()
+        super().__init__(
+            list(devices),
+            sync_batch_norm=sync_batch_norm,
+            input_options=input_options,
+        )

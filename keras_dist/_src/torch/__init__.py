@@ -1,1 +1,0 @@
-"""Torch-specific pieces of keras_dist (replicated steps, rank gating)."""

@@ -1,0 +1,170 @@
+"""Cluster discovery: one test per launcher source, plus bad settings."""
+
+import json
+
+import pytest
+
+from keras_dist._src.cluster import environments as envs
+from keras_dist._src.cluster.environments import (
+    ClusterConfigError,
+    detect_environment,
+)
+
+
+def test_no_launcher_is_one_local_process():
+    env = detect_environment({})
+    assert (env.source, env.rank, env.world_size) == ("local", 0, 1)
+    assert env.is_chief and not env.is_distributed
+    assert env.coordinator_address is None
+
+
+def test_torchelastic():
+    env = detect_environment(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29400",
+        }
+    )
+    assert env.source == "torchelastic"
+    assert (env.rank, env.world_size, env.local_rank) == (3, 4, 1)
+    assert env.local_world_size == 2 and not env.is_chief
+    assert env.coordinator_address == "node0:29400"
+    assert env.torchrun_variables()["MASTER_PORT"] == "29400"
+
+
+def test_torchelastic_incomplete_names_what_is_missing():
+    with pytest.raises(ClusterConfigError, match="MASTER_PORT"):
+        detect_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+    with pytest.raises(ClusterConfigError, match="rank 5 is outside"):
+        detect_environment(
+            {
+                "RANK": "5",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            }
+        )
+    with pytest.raises(ClusterConfigError, match="not an integer"):
+        detect_environment(
+            {
+                "RANK": "x",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            }
+        )
+
+
+def _tf_config(kind, index, workers=2, chief=False):
+    cluster = {"worker": [f"10.0.0.{i}:2222" for i in range(workers)]}
+    if chief:
+        cluster["chief"] = ["10.0.0.9:2222"]
+    return {
+        "TF_CONFIG": json.dumps(
+            {"cluster": cluster, "task": {"type": kind, "index": index}}
+        )
+    }
+
+
+def test_tf_config():
+    env = detect_environment(_tf_config("worker", 1))
+    assert env.source == "tf_config"
+    assert (env.rank, env.world_size) == (1, 2)
+    assert env.coordinator_address == "10.0.0.0:2222"
+    assert env.worker_addresses == ("10.0.0.0:2222", "10.0.0.1:2222")
+    # A chief comes first: worker 0 is then process 1.
+    env = detect_environment(_tf_config("worker", 0, chief=True))
+    assert (env.rank, env.world_size) == (1, 3)
+    assert detect_environment(_tf_config("chief", 0, chief=True)).is_chief
+
+
+def test_tf_config_errors():
+    with pytest.raises(ClusterConfigError, match="not valid JSON"):
+        detect_environment({"TF_CONFIG": "{oops"})
+    with pytest.raises(ClusterConfigError, match="task index 5"):
+        detect_environment(_tf_config("worker", 5))
+    with pytest.raises(ClusterConfigError, match="'ps'"):
+        detect_environment(_tf_config("ps", 0))
+    bad = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"]}})}
+    with pytest.raises(ClusterConfigError, match="'task'"):
+        detect_environment(bad)
+
+
+def test_tf_config_and_torchrun_must_agree():
+    environ = _tf_config("worker", 1)
+    environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1")
+    with pytest.raises(ClusterConfigError, match="conflict"):
+        detect_environment(environ)
+    environ["RANK"] = "1"
+    assert detect_environment(environ).source == "tf_config"
+
+
+SLURM = {
+    "SLURM_JOB_ID": "12345",
+    "SLURM_NTASKS": "8",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS_PER_NODE": "4(x2)",
+}
+
+
+def test_slurm_srun_step():
+    # An sbatch script (no srun step) is not a rank.
+    assert detect_environment(SLURM).source == "local"
+    environ = dict(SLURM, SLURM_STEP_NODELIST="gpu[003-005,9],cpu1")
+    env = detect_environment(environ)
+    assert env.source == "slurm"
+    assert (env.rank, env.world_size, env.local_rank) == (5, 8, 1)
+    assert env.local_world_size == 4
+    assert env.coordinator_address == f"gpu003:{12345 % 4096 + 61440}"
+    environ["MASTER_PORT"] = "29400"
+    assert detect_environment(environ).coordinator_port == 29400
+    # One task: nothing to join.
+    assert detect_environment(dict(environ, SLURM_NTASKS="1")).source == (
+        "local"
+    )
+    with pytest.raises(ClusterConfigError, match="SLURM_PROCID"):
+        detect_environment(
+            {k: v for k, v in environ.items() if k != "SLURM_PROCID"}
+        )
+
+
+def test_torchrun_inside_slurm_wins():
+    environ = dict(SLURM, SLURM_STEP_NODELIST="n[1-2]", SLURM_NTASKS="2")
+    environ.update(
+        RANK="6", WORLD_SIZE="8", MASTER_ADDR="n1", MASTER_PORT="29500"
+    )
+    env = detect_environment(environ)
+    assert (env.source, env.rank, env.world_size) == ("torchelastic", 6, 8)
+
+
+def test_open_mpi():
+    environ = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+    with pytest.raises(ClusterConfigError, match="MASTER_ADDR"):
+        detect_environment(environ)
+    environ.update(MASTER_ADDR="host0", MASTER_PORT="29400")
+    env = detect_environment(environ)
+    assert env.source == "mpi"
+    assert (env.rank, env.world_size, env.local_world_size) == (2, 4, 2)
+    with pytest.raises(ClusterConfigError, match="OMPI_COMM_WORLD_LOCAL"):
+        detect_environment(
+            {
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "1",
+            }
+        )
+
+
+def test_first_slurm_host():
+    assert envs.first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
+    assert envs.first_slurm_host("node7") == "node7"
+    assert envs.first_slurm_host("a[1,2]") == "a1"
