@@ -231,9 +231,13 @@ class _StepFunctions:
             return step
         return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
-    def _wrap(self, step):
+    def _wrap(self, step, concatenate_outputs=False):
         engine = self.engine
-        iterator_step = self.model._make_function(step)
+        # With steps_per_execution > 1, predict's outputs of the steps of one
+        # call must be concatenated (Keras's own predict function does so).
+        iterator_step = self.model._make_function(
+            step, concatenate_outputs=concatenate_outputs
+        )
         last_state = [None]
 
         def function(state, iterator):
@@ -350,7 +354,7 @@ class _StepFunctions:
             return outputs, (state[0], non_trainable)
 
         step = self._compile(predict_step, None)
-        model.predict_function = self._wrap(step)
+        model.predict_function = self._wrap(step, concatenate_outputs=True)
         return model.predict_function
 
 
