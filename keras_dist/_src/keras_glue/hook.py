@@ -10,7 +10,11 @@ only when a keras_dist scope is active, attaches the model to that strategy:
 * the model's own ``fit``/``evaluate``/``predict``/``*_on_batch`` are
   wrapped (on the instance, not the class) so that they run inside the
   engine's call scope, with arguments the engine may adjust
-  (``Engine.prepare_call``: e.g. no progress bar on non-chief ranks).
+  (``Engine.prepare_call``: e.g. no progress bar on non-chief ranks);
+* the model's ``save``/``save_weights``/``export`` are wrapped so that a job
+  of several processes writes each file once: the chief writes, the other
+  processes skip the write and wait until the file is complete (see
+  `_chief_writes`).
 
 A model compiled outside every scope is not touched, unless its variables
 were created in a keras_dist scope: then compiling it there is refused with a
@@ -33,6 +37,9 @@ _WRAPPED_METHODS = (
     "test_on_batch",
     "predict_on_batch",
 )
+# Methods that write a file: in a job of several processes only the chief
+# writes, the others wait for it (one process: Keras's own method).
+_WRITE_METHODS = ("save", "save_weights", "export")
 _installed = False
 STRATEGY_ATTR = "_keras_dist_strategy"
 
@@ -98,6 +105,56 @@ def attach(model, strategy) -> None:
     for name in _WRAPPED_METHODS:
         bound = getattr(type(model), name).__get__(model)
         model.__dict__[name] = _in_scope(bound, strategy, name)
+    for name in _WRITE_METHODS:
+        bound = getattr(type(model), name, None)
+        if bound is not None:
+            model.__dict__[name] = _chief_writes(
+                bound.__get__(model), strategy, name
+            )
+
+
+def _chief_writes(method, strategy, name):
+    """Wraps a file-writing method so that every process may call it.
+
+    Outside `fit`/`evaluate`/`predict` (what a user writes after training,
+    on every process): the chief writes, then every process agrees on the
+    outcome (one broadcast, which is also the barrier), so every process
+    returns once the file is complete, and all raise if the chief's write
+    failed. Inside such a call (a callback: some run on the chief only,
+    e.g. `ModelCheckpoint` on torch) no collective is made, since the other
+    processes may not be calling: the chief writes and the others skip.
+    """
+    from keras_dist._src.errors import KerasDistError
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        runtime = strategy.runtime
+        if runtime.world_size <= 1:
+            return method(*args, **kwargs)
+        from keras_dist._src.context import current_call
+
+        if current_call() is not None:
+            return method(*args, **kwargs) if runtime.is_chief else None
+        result, error = None, None
+        if runtime.is_chief:
+            try:
+                result = method(*args, **kwargs)
+            except Exception as caught:  # noqa: BLE001 - re-raised below.
+                error = caught
+        failure = runtime.broadcast(
+            "" if error is None else f"{type(error).__name__}: {error}", 0
+        )
+        if error is not None:
+            raise error
+        if failure:
+            raise KerasDistError(
+                f"`model.{name}` failed on the chief (process 0), which "
+                f"writes the file: {failure}"
+            )
+        return result
+
+    wrapper.__keras_dist_wrapped__ = True
+    return wrapper
 
 
 def _in_scope(method, strategy, name):
