@@ -141,6 +141,7 @@ def _train(strategy, kind):
     return model.get_weights(), history.history, evaluation, predictions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind",
     [
@@ -167,6 +168,7 @@ def test_input_type_matches_single_device(kind):
     np.testing.assert_allclose(got[3], reference[3], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_shuffling_is_the_same_whatever_the_replica_count():
     x, y, sw = data()
 

@@ -63,7 +63,14 @@ def reference():
     return _train(model)
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize(
+    "replicas",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(2, marks=pytest.mark.slow),
+        4,  # the fast loop's parity test (tools/test_fast.sh)
+    ],
+)
 def test_mirrored_matches_single_device(reference, replicas):
     strategy = keras_dist.MirroredStrategy(
         devices=[f"cpu:{i}" for i in range(replicas)]
@@ -87,6 +94,7 @@ def test_mirrored_matches_single_device(reference, replicas):
     np.testing.assert_allclose(predictions, ref_predictions, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fit_inside_the_scope(reference):
     """`fit`/`evaluate`/`predict` called inside the scope behave the same."""
     strategy = keras_dist.MirroredStrategy()
@@ -99,6 +107,7 @@ def test_fit_inside_the_scope(reference):
     np.testing.assert_allclose(predictions, reference[3], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_batch_smaller_than_replica_count():
     """Batches of 3 and a last batch of 1 sample on 4 replicas are exact."""
     x, y, sw = make_data(n=10, seed=1)
@@ -124,6 +133,7 @@ def test_batch_smaller_than_replica_count():
     np.testing.assert_allclose(got[2], ref[2], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_replicas_hold_identical_variables():
     strategy = keras_dist.MirroredStrategy()
     with strategy.scope():
@@ -145,6 +155,7 @@ def _per_device_values(variable):
     return [np.asarray(v) for v in value.values]
 
 
+@pytest.mark.slow
 def test_batch_norm_statistics_global_by_default_per_replica_on_request():
     """With momentum 0 the moving statistics are those of the last batch."""
     x, y, _ = make_data()
