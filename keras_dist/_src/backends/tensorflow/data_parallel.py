@@ -47,6 +47,8 @@ from keras_dist._src.values import PerReplica, ReduceOp
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
+_MISSING = object()
+
 
 class _EngineBase:
     devices: tuple
@@ -359,7 +361,7 @@ def _exact_step(engine, model, data, training):
         if model.trainable_weights:
             weights = model.trainable_weights
             gradients = tape.gradient(loss, weights)
-            model.optimizer.apply_gradients(zip(gradients, weights))
+            apply_global_gradients(context, model.optimizer, gradients, weights)
         else:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
@@ -415,3 +417,97 @@ def _check_mean_reductions(model):
                 "default). Use the default reduction, or override "
                 "`compute_loss` to compute the loss yourself."
             )
+
+
+def apply_global_gradients(context, optimizer, gradients, weights):
+    """Applies the all-reduced `gradients` on every replica, as one device.
+
+    Keras's TF optimizer clips (``clipnorm``, ``global_clipnorm``,
+    ``clipvalue``) each replica's own gradient before tf.distribute sums
+    them, and its gradient accumulation and EMA overwrite put a `merge_call`
+    inside `tf.cond` (which tf.distribute refuses). Here the gradients are
+    summed first; every replica then holds the global gradient and runs the
+    whole optimizer (loss-scale unscaling and finite check, clipping,
+    accumulation, weight decay, update, EMA, constraints) on its own copy
+    of each mirrored variable, with no further collective: the copies
+    receive identical updates and stay equal, as tf.distribute's own update
+    keeps them.
+    """
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    reduced = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, [gradients[i] for i in present]
+    )
+    gradients = list(gradients)
+    for i, g in zip(present, reduced):
+        gradients[i] = g
+    with _local_optimizer(context, optimizer, weights):
+        optimizer.apply(gradients, weights)
+
+
+class _local_optimizer:
+    """Points variables at this replica's copies and the optimizer at its
+    non-distributed (backend-neutral) update paths, for the duration."""
+
+    _LOCAL_METHODS = (
+        "_backend_update_step",
+        "_backend_increment_gradient_accumulators",
+        "_apply_weight_decay",
+        "_overwrite_model_variables_with_average_value",
+        "_backend_reset_gradient_accumulators",
+    )
+
+    def __init__(self, context, optimizer, weights):
+        self._context = context
+        self._optimizer = optimizer
+        self._weights = weights
+
+    def __enter__(self):
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+        self._swapped = []
+        self._patched = []
+        optimizers = [self._optimizer]
+        inner = getattr(self._optimizer, "inner_optimizer", None)
+        if inner is not None:
+            optimizers.append(inner)
+        variables = list(self._weights)
+        for opt in optimizers:
+            variables.extend(opt.variables)
+            for name in self._LOCAL_METHODS:
+                method = getattr(BaseOptimizer, name)
+                self._patch(opt, name, method.__get__(opt))
+            if hasattr(type(opt), "_common_apply"):  # LossScaleOptimizer
+                self._patch(opt, "_tf_apply", opt._common_apply)
+        seen = set()
+        for variable in variables:
+            value = getattr(variable, "_value", None)
+            if id(variable) in seen or not isinstance(
+                value, tf.distribute.DistributedValues
+            ):
+                continue
+            seen.add(id(variable))
+            self._swapped.append((variable, value))
+            variable._value = value._get_on_device_or_primary()
+
+        def no_merge_call(*args, **kwargs):
+            raise RuntimeError(
+                "keras_dist internal error: a collective inside the "
+                "replica-local optimizer update."
+            )
+
+        self._patch(self._context, "merge_call", no_merge_call)
+        return self
+
+    def _patch(self, obj, name, value):
+        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        obj.__dict__[name] = value
+
+    def __exit__(self, *exc):
+        for variable, value in reversed(self._swapped):
+            variable._value = value
+        for obj, name, old in reversed(self._patched):
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = old
+        return False

@@ -1,0 +1,202 @@
+"""TensorFlow: Keras training features exact under MirroredStrategy (#8).
+
+Each test trains a tiny model on 2 and 3 simulated CPU replicas and the same
+model (same initial weights) plainly on one device, and compares weights
+and logs.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+    pytest.skip("TensorFlow backend only", allow_module_level=True)
+
+import keras  # noqa: E402
+from keras import ops  # noqa: E402
+
+import keras_dist  # noqa: E402
+from tests.utils import max_relative_difference  # noqa: E402
+
+REPLICAS = [2, 3]
+
+
+def _strategy(replicas):
+    return keras_dist.MirroredStrategy(
+        devices=[f"cpu:{i}" for i in range(replicas)]
+    )
+
+
+def _data(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype("float32")
+    y = rng.normal(size=(n, 2)).astype("float32")
+    return x, y
+
+
+def _dense_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(2)(h)
+    return keras.Model(inputs, outputs)
+
+
+def _pair(replicas, build, compile_kwargs):
+    """The same model plainly (one device) and under a strategy."""
+    plain = build()
+    plain.compile(**compile_kwargs())
+    with _strategy(replicas).scope():
+        dist = build()
+        dist.compile(**compile_kwargs())
+    dist.set_weights(plain.get_weights())
+    return plain, dist
+
+
+def _fit_both(plain, dist, x, y, **kwargs):
+    kwargs.setdefault("batch_size", 5)
+    kwargs.setdefault("epochs", 2)
+    h1 = plain.fit(x, y, verbose=0, shuffle=False, **kwargs).history
+    h2 = dist.fit(x, y, verbose=0, shuffle=False, **kwargs).history
+    return h1, h2
+
+
+def _assert_logs_close(h1, h2, rtol=1e-5):
+    assert h1.keys() == h2.keys()
+    for key in h1:
+        np.testing.assert_allclose(h2[key], h1[key], rtol=rtol, err_msg=key)
+
+
+# Item 8: optimizer features.
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"clipnorm": 0.05},
+        {"global_clipnorm": 0.05},
+        {"clipvalue": 0.02},
+        {"gradient_accumulation_steps": 2},
+        {"use_ema": True, "ema_overwrite_frequency": 2},
+    ],
+    ids=["clipnorm", "global_clipnorm", "clipvalue", "accumulation", "ema"],
+)
+def test_optimizer_options_match_one_device(replicas, options):
+    x, y = _data()
+    plain, dist = _pair(
+        replicas,
+        _dense_model,
+        lambda: {
+            "optimizer": keras.optimizers.SGD(0.1, **options),
+            "loss": "mse",
+        },
+    )
+    h1, h2 = _fit_both(plain, dist, x, y)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+def test_steps_per_execution_matches_one_device(replicas):
+    x, y = _data(n=13)
+    plain, dist = _pair(
+        replicas,
+        _dense_model,
+        lambda: {
+            "optimizer": keras.optimizers.SGD(0.1),
+            "loss": "mse",
+            "steps_per_execution": 2,
+        },
+    )
+    h1, h2 = _fit_both(plain, dist, x, y)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+    np.testing.assert_allclose(
+        dist.evaluate(x, y, batch_size=5, verbose=0),
+        plain.evaluate(x, y, batch_size=5, verbose=0),
+        rtol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+def test_predict_on_batch_returns_one_row_per_sample(replicas):
+    x, _ = _data(n=7)
+    plain, dist = _pair(
+        replicas, _dense_model, lambda: {"optimizer": "sgd", "loss": "mse"}
+    )
+    expected = plain.predict_on_batch(x)
+    got = dist.predict_on_batch(x)
+    assert got.shape == expected.shape == (7, 2)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+# Item 6: compute_loss, train_step and test_step overrides.
+
+
+class _OpsLossModel(keras.Model):
+    """A compute_loss written with keras.ops (no Keras loss object)."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        return ops.mean(ops.square(y - y_pred)) + 0.1 * ops.mean(
+            ops.abs(y_pred)
+        )
+
+
+def _ops_loss_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(2)(h)
+    return _OpsLossModel(inputs, outputs)
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+@pytest.mark.parametrize("n", [12, 10], ids=["equal", "unequal"])
+def test_compute_loss_override_matches_one_device(replicas, n):
+    x, y = _data(n=n)
+    plain, dist = _pair(
+        replicas,
+        _ops_loss_model,
+        lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+    )
+    h1, h2 = _fit_both(plain, dist, x, y, batch_size=6)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+    np.testing.assert_allclose(
+        dist.evaluate(x, y, batch_size=6, verbose=0),
+        plain.evaluate(x, y, batch_size=6, verbose=0),
+        rtol=1e-5,
+    )
+
+
+class _CustomTrainStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_train_step_override_is_refused_before_training():
+    x, y = _data()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        return _CustomTrainStep(inputs, keras.layers.Dense(2)(inputs))
+
+    with _strategy(2).scope():
+        model = build()
+        model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    with pytest.raises(NotImplementedError, match="train_step"):
+        model.fit(x, y, batch_size=5, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
