@@ -65,7 +65,36 @@ def install() -> None:
 
     compile.__keras_dist_original__ = original
     Trainer.compile = compile
+    _mark_variables_created_in_scope()
     _installed = True
+
+
+VARIABLE_SCOPE_ATTR = "_keras_dist_created_in"
+
+
+def _mark_variables_created_in_scope() -> None:
+    """Records on each Keras variable the strategy whose scope (or call) was
+    active when it was created (`created_in`), so that a backend whose
+    variables carry no placement (torch) can tell a model built in a scope
+    and compiled outside it."""
+    from keras.src.backend.common.variables import Variable as KerasVariable
+
+    original = KerasVariable.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        strategy = current_strategy()
+        if strategy is not None:
+            self.__dict__[VARIABLE_SCOPE_ATTR] = strategy
+
+    __init__.__keras_dist_original__ = original
+    KerasVariable.__init__ = __init__
+
+
+def created_in(variable):
+    """The strategy in whose scope `variable` was created, or None."""
+    return getattr(variable, "__dict__", {}).get(VARIABLE_SCOPE_ATTR)
 
 
 def _refuse_distributed_model_outside_scope(model) -> None:

@@ -67,21 +67,54 @@ ALL_RANKS_ATTR = "_keras_dist_all_ranks"
 
 
 # -- call scope helpers -------------------------------------------------------
-def sync_shuffle_seed(engine) -> None:
-    """Seeds torch's global generator with a seed drawn on rank 0.
+def _rng_state_vector() -> np.ndarray:
+    """This process's torch, Python and NumPy global generator states, as
+    one int64 vector (its length is the same on every process)."""
+    version, py_keys, py_gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    floats = np.array(
+        [0.0 if py_gauss is None else py_gauss, np_gauss], np.float64
+    ).view(np.int64)
+    head = [version, int(py_gauss is not None), np_pos, np_has_gauss]
+    return np.concatenate(
+        [
+            np.asarray(head, np.int64),
+            floats,
+            np.asarray(py_keys, np.int64),
+            np.asarray(np_keys, np.int64),
+            torch.get_rng_state().numpy().astype(np.int64),
+        ]
+    )
+
+
+def _set_rng_state_vector(vector: np.ndarray) -> None:
+    version, has_py_gauss, np_pos, np_has_gauss = (int(v) for v in vector[:4])
+    py_gauss, np_gauss = vector[4:6].view(np.float64)
+    py_keys = tuple(int(v) for v in vector[6 : 6 + 625])
+    np_keys = vector[631 : 631 + 624].astype(np.uint32)
+    random.setstate(
+        (version, py_keys, float(py_gauss) if has_py_gauss else None)
+    )
+    np.random.set_state(
+        ("MT19937", np_keys, np_pos, np_has_gauss, float(np_gauss))
+    )
+    torch.set_rng_state(torch.from_numpy(vector[1255:].astype(np.uint8)))
+
+
+def sync_rng_state(engine) -> None:
+    """Gives every rank the chief's global random generators.
 
     Keras's torch data loader (and a torch `DataLoader(shuffle=True)`)
-    shuffles with torch's global generator and `PyDataset` with Python's
-    `random`; both are seeded, so every rank shuffles (and so batches) the
-    data identically.
+    shuffles with torch's global generator, `PyDataset` with Python's
+    `random`, NumPy input pipelines with NumPy's: with the chief's states
+    (broadcast at the start of every call) every rank draws what the chief
+    draws, which is what one device draws after the same
+    `keras.utils.set_random_seed`. The chief's generators are left as
+    plain Keras leaves them (nothing is drawn from them here).
     """
-    seed = torch.zeros(1, dtype=torch.int64, device=engine.device)
-    if engine.is_chief:
-        seed[0] = int(torch.randint(0, 2**62, (1,)).item())
-    dist.broadcast(seed, 0, group=engine.aux_group)
-    torch.manual_seed(int(seed.item()))
-    # `PyDataset` shuffles its batch order with Python's `random`.
-    random.seed(int(seed.item()))
+    vector = engine.runtime.broadcast(_rng_state_vector(), 0)
+    if not engine.is_chief:
+        _set_rng_state_vector(vector)
 
 
 def _gate(callbacks) -> list:
@@ -274,6 +307,52 @@ def _slice(structure, start, stop):
     )
 
 
+def global_dropout(engine, layer, original):
+    """A `Dropout.call` that drops what one device drops.
+
+    During a training step on a shard of the global batch
+    (``engine.dropout_shard = (start, n_global)``), the mask is drawn for
+    the global batch's shape with the layer's own call (same generator, same
+    seed, same shape as on one device: seeded layers use their seed
+    generator, whose state every rank has from the chief; unseeded ones
+    torch's global generator, which every rank has from the chief too), and
+    this rank keeps rows ``start:start + n_local``. Elsewhere (inference,
+    ``training=True`` outside a step, FILE/OFF input) it is Keras's call.
+    """
+
+    def call(inputs, training=False):
+        shard = engine.dropout_shard
+        noise = layer.noise_shape
+        if (
+            not training
+            or shard is None
+            or not 0.0 < layer.rate < 1.0
+            or (noise is not None and noise[0] is not None)
+        ):
+            return original(inputs, training=training)
+        start, n_global = shard
+        n_local = inputs.shape[0]
+        probe = torch.ones(
+            (n_global, *inputs.shape[1:]),
+            dtype=inputs.dtype,
+            device=inputs.device,
+        )
+        kept = original(probe, training=True)[start : start + n_local]
+        seeded = (
+            noise is not None or layer.seed_generator._initial_seed is not None
+        )
+        if seeded:
+            # Keras's seeded path: where(mask, inputs / keep_prob, 0).
+            keep_prob = 1.0 - layer.rate
+            return torch.where(
+                kept != 0, inputs / keep_prob, torch.zeros_like(inputs)
+            )
+        # torch's dropout: inputs * (mask / keep_prob).
+        return inputs * kept
+
+    return call
+
+
 class StepFunctions:
     """Installs the replicated step functions on one model.
 
@@ -290,6 +369,8 @@ class StepFunctions:
         # Metric values before the first step whose all-reduce is deferred.
         self._unsynced_since = None
         self._in_step = False
+        self.custom = {}
+        self._check_weights_agree = False
 
     def install(self) -> None:
         """Replaces the model's step-function factories and its metric
@@ -300,17 +381,11 @@ class StepFunctions:
         from keras.src.backend.torch.trainer import TorchTrainer
 
         cls = type(model)
-        if (
-            cls.train_step is not TorchTrainer.train_step
-            or cls.test_step is not TorchTrainer.test_step
-        ):
-            warnings.warn(
-                f"Model {model.name!r} overrides train_step or test_step; "
-                "keras_dist's replicated torch step does not call them (it "
-                "calls the model, `compute_loss` and `compute_metrics`). "
-                "Move custom logic into `compute_loss`/`call`.",
-                stacklevel=3,
-            )
+        # The user's own steps run on this rank's shard (see `user_step`).
+        self.custom = {
+            name: getattr(cls, name) is not getattr(TorchTrainer, name)
+            for name in ("train_step", "test_step", "predict_step")
+        }
         if engine.sync_batch_norm:
             for layer in model._flatten_layers(include_self=False):
                 if isinstance(layer, keras.layers.BatchNormalization):
@@ -318,6 +393,10 @@ class StepFunctions:
                     layer.__dict__["_moments"] = sync_moments(
                         engine, layer, original
                     )
+        for layer in model._flatten_layers(include_self=False):
+            if type(layer) is keras.layers.Dropout:
+                original = type(layer).call.__get__(layer)
+                layer.__dict__["call"] = global_dropout(engine, layer, original)
 
         def get_metrics_result():
             # Keras's `compute_metrics` reads the values inside the step:
@@ -385,7 +464,9 @@ class StepFunctions:
             variables += list(optimizer.variables)
         seen, unique = set(), []
         for v in variables:
-            if id(v) in seen or "seed_generator" in v.path:
+            # Seed generators included: with the chief's states every rank
+            # draws the global batch's dropout mask (see `global_dropout`).
+            if id(v) in seen:
                 continue
             seen.add(id(v))
             unique.append(v)
@@ -414,11 +495,14 @@ class StepFunctions:
         if n_global is not None:
             # FILE/OFF: this rank's own batch; the global batch is the union.
             n_local = int(_first_leaf(x).shape[0]) if tree.flatten(x) else 0
+            self.engine.shard_offset = None
             return x, y, sample_weight, n_local, n_global
         total = int(_first_leaf(x).shape[0])
         start, stop = shard_bounds(
             total, self.engine.rank, self.engine.world_size
         )
+        # Where this shard lies in the global batch (for `global_dropout`).
+        self.engine.shard_offset = (start, total)
         x, y, sample_weight = _slice((x, y, sample_weight), start, stop)
         return x, y, sample_weight, stop - start, total
 
@@ -436,6 +520,14 @@ class StepFunctions:
         self._check_steps_per_execution()
         self.sync_state()
         self.ddp = None
+        if self.custom["train_step"]:
+            self._check_weights_agree = True
+
+            def user_step_on_data(data):
+                return self.user_train_step(data[0])
+
+            model.train_function = user_step_on_data
+            return model.train_function
         if any(v.trainable for v in model.trainable_weights):
             device_ids = None
             if self.engine.device.type == "cuda":
@@ -459,11 +551,8 @@ class StepFunctions:
         before = self._metrics_before_step()
         model.zero_grad()
         module = self.ddp if self.ddp is not None else model
-        engine.bn_sync_active = True
-        try:
+        with self._training_forward():
             y_pred = self._call(module, x, training=True)
-        finally:
-            engine.bn_sync_active = False
         if n_local > 0:
             loss = model._compute_loss(
                 x=x,
@@ -502,6 +591,175 @@ class StepFunctions:
         self._metrics_after_step(before)
         return self._local_metrics_result()
 
+    @contextlib.contextmanager
+    def _training_forward(self):
+        """Synchronised BatchNorm moments and global dropout masks."""
+        engine = self.engine
+        engine.bn_sync_active = True
+        engine.dropout_shard = engine.shard_offset
+        try:
+            yield
+        finally:
+            engine.bn_sync_active = False
+            engine.dropout_shard = None
+
+    # -- the user's own steps -------------------------------------------------
+    def _local_data(self, data):
+        """This rank's shard of `data`, in the structure Keras passed it,
+        and ``(n_local, n_global)``."""
+        _, _, _, n_local, n_global = self._shard(data)
+        engine = self.engine
+        offset = engine.shard_offset
+        if offset is None:
+            return data, n_local, n_global
+        if n_local == 0:
+            # An empty shard: the user's step may not handle an empty batch
+            # (a loss of shape (0,)), so it runs on the global batch's first
+            # sample as a phantom that counts for nothing: zero gradient
+            # share, no BatchNorm statistics, metric updates undone.
+            engine.shard_offset = (0, n_global)
+            engine.phantom_shard = True
+            return _slice(data, 0, 1), 0, n_global
+        start = offset[0]
+        return _slice(data, start, start + n_local), n_local, n_global
+
+    def _optimizers(self):
+        model = self.model
+        found = [model.optimizer] if model.optimizer is not None else []
+        for value in vars(model).values():
+            if isinstance(value, keras.optimizers.Optimizer) and not any(
+                value is o for o in found
+            ):
+                found.append(value)
+        return found
+
+    @contextlib.contextmanager
+    def _reduced_gradients(self, share: float, has_samples: bool):
+        """Makes every optimizer of the model all-reduce what it applies.
+
+        Inside, ``optimizer.apply(gradients, variables)`` (also through
+        `apply_gradients`) first sums ``share * gradient`` over ranks:
+        with each rank's loss a mean over its shard and ``share`` its part
+        of the global batch, that is the gradient of the global mean, as on
+        one device (also for unequal shards). A rank without samples
+        contributes zeros.
+        """
+        engine = self.engine
+        patched = []
+
+        def reducing(optimizer, original):
+            def apply(grads, trainable_variables=None):
+                grads = list(grads)
+                live = [i for i, g in enumerate(grads) if g is not None]
+                if live:
+                    with torch.no_grad():
+                        parts = [
+                            grads[i].detach().reshape(-1).to(torch.float32)
+                            for i in live
+                        ]
+                        flat = torch.cat(parts) * share
+                        if not has_samples:
+                            flat = torch.zeros_like(flat)
+                        dist.all_reduce(flat, group=engine.aux_group)
+                        offset = 0
+                        for i in live:
+                            g = grads[i]
+                            n = g.numel()
+                            grads[i] = (
+                                flat[offset : offset + n].view_as(g).to(g.dtype)
+                            )
+                            offset += n
+                return original(grads, trainable_variables)
+
+            return apply
+
+        for optimizer in self._optimizers():
+            original = optimizer.__dict__.get("apply")
+            patched.append((optimizer, original))
+            optimizer.__dict__["apply"] = reducing(optimizer, optimizer.apply)
+        try:
+            yield
+        finally:
+            for optimizer, original in patched:
+                if original is None:
+                    optimizer.__dict__.pop("apply", None)
+                else:
+                    optimizer.__dict__["apply"] = original
+
+    def _merge_logs(self, logs):
+        """The user's step's logs, with metric values summed over ranks."""
+        synced = self._local_metrics_result()
+        if isinstance(logs, dict):
+            return {k: synced.get(k, v) for k, v in logs.items()}
+        return logs
+
+    def _restore_metrics(self, snapshot) -> None:
+        """Undoes the metric updates of a step on an empty shard."""
+        if snapshot is None:
+            return
+        variables = list(self.model.metrics_variables)
+        with torch.no_grad():
+            offset = 0
+            for v in variables:
+                t = v.value
+                n = t.numel()
+                t.copy_(snapshot[offset : offset + n].view_as(t).to(t.dtype))
+                offset += n
+
+    def user_train_step(self, data):
+        """Runs the model's own `train_step` on this rank's shard.
+
+        Gradients are reduced at `optimizer.apply` (`_reduced_gradients`);
+        BatchNormalization and dropout see the global batch as in Keras's
+        step. A rank with an empty shard runs the step too (the same
+        collectives) but contributes nothing, and its metric updates are
+        undone.
+        """
+        model = self.model
+        local, n_local, n_global = self._local_data(data)
+        before = self._metrics_before_step()
+        own = None
+        if n_local == 0:
+            own = _metric_snapshot(list(model.metrics_variables))
+        try:
+            with self._reduced_gradients(n_local / n_global, n_local > 0):
+                with self._training_forward():
+                    logs = model.train_step(local)
+        finally:
+            self.engine.phantom_shard = False
+        if n_local == 0:
+            self._restore_metrics(own)
+        if not self.engine.sync_batch_norm:
+            self._average_moving_statistics(n_local > 0)
+        if self._check_weights_agree:
+            self._check_weights_agree = False
+            self._check_replicas_agree()
+        self._metrics_after_step(before)
+        return self._merge_logs(logs)
+
+    def _check_replicas_agree(self) -> None:
+        """After the first step of an overridden `train_step`: raises if the
+        ranks' weights differ (the step updated them without an optimizer
+        keras_dist reduces), instead of training diverged replicas."""
+        sums = np.array(
+            [
+                float(v.value.detach().double().sum())
+                for v in self.model.trainable_weights
+            ]
+            or [0.0]
+        )
+        low = self.engine.runtime.all_reduce(sums, "min")
+        high = self.engine.runtime.all_reduce(sums, "max")
+        if not np.allclose(low, high, rtol=1e-6, atol=1e-7):
+            raise ValueError(
+                f"The `train_step` of model {self.model.name!r} left "
+                "different weights on different ranks. keras_dist all-reduces "
+                "the gradients passed to `optimizer.apply` (or "
+                "`apply_gradients`) of the model's optimizers; update weights "
+                "through one of them (e.g. `self.optimizer.apply(gradients, "
+                "self.trainable_weights)`)."
+            )
+
     def _average_moving_statistics(self, has_samples: bool):
         variables = [
             v
@@ -537,6 +795,20 @@ class StepFunctions:
     def test_step(self, data):
         """Evaluates this rank's shard; metric state summed over ranks."""
         model = self.model
+        if self.custom["test_step"]:
+            local, n_local, _ = self._local_data(data)
+            before = self._metrics_before_step()
+            own = None
+            if n_local == 0:
+                own = _metric_snapshot(list(model.metrics_variables))
+            try:
+                logs = model.test_step(local)
+            finally:
+                self.engine.phantom_shard = False
+            if n_local == 0:
+                self._restore_metrics(own)
+            self._metrics_after_step(before)
+            return self._merge_logs(logs)
         x, y, sample_weight, n_local, _ = self._shard(data)
         before = self._metrics_before_step()
         y_pred = self._call(model, x, training=False)
@@ -562,8 +834,15 @@ class StepFunctions:
 
     def predict_step(self, data):
         """Predicts this rank's shard; returns the whole batch's outputs."""
-        x, _, _, _, _ = self._shard(data)
-        y_pred = self._call(self.model, x, training=False)
+        if self.custom["predict_step"]:
+            local, n_local, _ = self._local_data(data)
+            self.engine.phantom_shard = False
+            y_pred = self.model.predict_step(local)
+            if n_local == 0:  # drop the phantom sample's outputs
+                y_pred = tree.map_structure(lambda t: t[:0], y_pred)
+        else:
+            x, _, _, _, _ = self._shard(data)
+            y_pred = self._call(self.model, x, training=False)
         engine = self.engine
         return tree.map_structure(
             lambda t: all_gather_concat(
@@ -648,6 +927,13 @@ class MirroredEngine:
         # Set by the input of FILE/OFF policies: the next batch is local.
         self.local_batches = LocalBatchTracker()
         self.input_options = None
+        # (start, n_global) of this rank's shard in the step in progress,
+        # and the same during a training forward (for `global_dropout`).
+        self.shard_offset = None
+        self.dropout_shard = None
+        self.bn_sync_active = False
+        # Whether this rank's batch is a stand-in for an empty shard.
+        self.phantom_shard = False
         # Per call in progress (innermost last): whether nothing reads the
         # per-step metric values, so their all-reduce can wait until read.
         self._defer_metrics = []
@@ -679,10 +965,10 @@ class MirroredEngine:
         self._defer_metrics.append(False)
         try:
             self.local_batches.pending = None
-            sync_shuffle_seed(self)
+            sync_rng_state(self)
             yield
         except BaseException as error:
-            self._raise_failure(error)
+            self._check_other_ranks(error)
             raise
         finally:
             self._defer_metrics.pop()
@@ -708,32 +994,54 @@ class MirroredEngine:
         )
         return gate_call_arguments(self, method, args, kwargs)
 
-    def _raise_failure(self, error) -> None:
+    def _check_other_ranks(self, error) -> None:
+        """Turns `error` into `RankFailedError` if another rank failed.
+
+        An exception of this rank's own is not reported here: the caller may
+        catch it (``try: model.fit(...) except ...``) and go on, so only an
+        uncaught exception (the excepthook) stops the job. If another rank
+        has already reported a failure (or a started child died), this
+        rank's error is a consequence of it and says so.
+        """
         if isinstance(error, RankFailedError):
             return
         supervisor = self.job.supervisor
-        if supervisor is not None:
-            # A collective that failed because a child died: name the child.
-            for _ in range(4):
+        # A collective that failed because another rank died or failed:
+        # wait briefly for that failure to be reported, to name it.
+        polls = 4 if isinstance(error, (RuntimeError, OSError)) else 1
+        first = None
+        for attempt in range(polls):
+            if supervisor is not None:
                 for rank, proc in supervisor.children.items():
                     code = proc.poll()
                     if code not in (None, 0):
                         supervisor.fail(
                             f"rank {rank} {supervision.describe_exit(code)}"
                         )
-                time.sleep(supervision.POLL_SECONDS)
-        mine = f"rank {self.rank}: {type(error).__name__}: {error}"
-        try:
-            first = self.job.report(mine)
-        except Exception:  # noqa: BLE001 - store gone: rank 0 died.
-            first = "rank 0 is gone (its rendezvous store is unreachable)"
-        if first != mine:
+            first = self._reported_failure()
+            if first or attempt + 1 == polls:
+                break
+            time.sleep(supervision.POLL_SECONDS)
+        if first:
             self.job.mute()
             raise RankFailedError(
                 f"Rank {self.rank} stops because another rank failed: "
                 f"{first}. Fix the error of that rank (its traceback is in "
                 "its output)."
             ) from error
+
+    def _reported_failure(self) -> str | None:
+        """The failure a rank reported to the job's store, if any."""
+        job = self.job
+        try:
+            if job._report_store is None:
+                job._report_store = job._client()
+            store = job._report_store
+            if store is None or not store.check([supervision.ERROR_KEY]):
+                return None
+            return store.get(supervision.ERROR_KEY).decode() or None
+        except Exception:  # noqa: BLE001 - store gone: rank 0 died.
+            return "rank 0 is gone (its rendezvous store is unreachable)"
 
     def attach(self, model) -> None:
         check_variables(self, model)

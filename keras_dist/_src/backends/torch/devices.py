@@ -87,8 +87,15 @@ def torch_device(device: str) -> torch.device:
 
 
 def variables_distributed(model) -> bool:
-    """Always False: torch variables are local to each rank's process."""
-    del model
+    """Whether `model` has variables created in the scope of a strategy with
+    several replicas (torch variables carry no placement: the compile hook
+    marks each variable with the strategy whose scope created it)."""
+    from keras_dist._src.keras_glue.hook import created_in
+
+    for variable in model.variables:
+        strategy = created_in(variable)
+        if strategy is not None and strategy.num_replicas_in_sync > 1:
+            return True
     return False
 
 

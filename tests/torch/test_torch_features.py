@@ -1,0 +1,195 @@
+"""Keras training features under the torch MirroredStrategy (2 ranks).
+
+One script, run once in its own processes, checks several features and
+writes each rank's results to JSON; its reference is plain Keras on one
+device in the chief's process (same seed, same initial weights):
+
+* `fit(shuffle=True)` after `keras.utils.set_random_seed` draws the batches
+  one device draws, and seeded and unseeded `Dropout` drop what one device
+  drops (global masks), with an empty shard in the last batch;
+* the user's global generators end as plain Keras leaves them;
+* an overridden `train_step` (torch style) runs, exactly; an overridden
+  `compute_loss` is exact;
+* `model.save`/`save_weights` called on every rank write a valid file;
+* an exception raised in `fit` and caught by the script does not stop the
+  job (the except branch runs on every rank, a second `fit` follows);
+* a model built in the scope and compiled outside it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "torch":
+    pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
+
+from tests.utils import run_torch_script  # noqa: E402
+
+SCRIPT = """
+import json, os, sys
+import numpy as np
+import torch
+import keras
+import keras_dist
+from keras_dist._src.errors import StrategyMixingError
+
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+rank = strategy.worker_index
+result = {}
+rng = np.random.default_rng(0)
+# 22 samples, batch 7: steps of 7, 7, 7 and 1 samples (shards 4/3, 1/0).
+x = rng.normal(size=(22, 6)).astype("float32")
+y = rng.normal(size=(22, 2)).astype("float32")
+
+
+def rel(a, b):
+    return max(
+        float(np.max(np.abs(p - q)) / max(np.max(np.abs(p)), 1e-12))
+        for p, q in zip(a, b)
+    )
+
+
+def dropout_model():
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dropout(0.3, seed=3),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dropout(0.4),
+        keras.layers.Dense(2),
+    ])
+
+
+class CustomStep(keras.Sequential):
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        loss.backward()
+        weights = self.trainable_weights[:]
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in weights], weights)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class CustomLoss(keras.Sequential):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        err = keras.ops.mean(keras.ops.abs(y - y_pred))
+        return 2.0 * err + super().compute_loss(
+            x, y, y_pred, sample_weight, training=training)
+
+
+def small(cls):
+    return cls([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+                keras.layers.Dense(2)])
+
+
+CASES = {
+    "shuffle_dropout": (dropout_model, dict(shuffle=True)),
+    "train_step": (lambda: small(CustomStep), dict(shuffle=False)),
+    "compute_loss": (lambda: small(CustomLoss), dict(shuffle=False)),
+}
+
+
+def train(case, in_scope):
+    build, fit_kwargs = CASES[case]
+    keras.utils.set_random_seed(1234)
+    if in_scope:
+        with strategy.scope():
+            model = build()
+            model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    else:
+        model = build()
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    init = [w.copy() for w in model.get_weights()]
+    model.fit(x, y, batch_size=7, epochs=2, verbose=0, **fit_kwargs)
+    after = [int(torch.randint(0, 2**30, (1,))), int(np.random.randint(2**30))]
+    return init, model.get_weights(), after
+
+
+for case in CASES:
+    if rank == 0:
+        ref_init, ref, ref_after = train(case, in_scope=False)
+    init, got, after = train(case, in_scope=True)
+    if rank == 0:
+        result[case] = {
+            "init": rel(ref_init, init),
+            "weights": rel(ref, got),
+            "generators_as_plain_keras": after == ref_after,
+        }
+    result[case + "_generators"] = after
+
+# Saving from every rank.
+with strategy.scope():
+    model = small(keras.Sequential)
+    model.compile("sgd", "mse")
+model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+for _ in range(2):
+    model.save(os.path.join(out, "model.keras"))
+    model.save_weights(os.path.join(out, "model.weights.h5"))
+loaded = keras.saving.load_model(os.path.join(out, "model.keras"))
+result["save"] = rel(model.get_weights(), loaded.get_weights())
+loaded.load_weights(os.path.join(out, "model.weights.h5"))
+result["save_weights"] = rel(model.get_weights(), loaded.get_weights())
+
+
+# An exception caught around fit does not end the job.
+class Boom(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise ValueError("boom")
+
+
+try:
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[Boom()])
+except ValueError as error:
+    result["caught"] = str(error)
+history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+result["fit_after_caught"] = len(history.history["loss"])
+
+# Built in the scope, compiled outside: refused.
+with strategy.scope():
+    outside = small(keras.Sequential)
+try:
+    outside.compile("sgd", "mse")
+    result["mixing"] = "compiled"
+except StrategyMixingError as error:
+    result["mixing"] = type(error).__name__
+
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_torch_training_features(tmp_path):
+    proc, _ = run_torch_script(
+        tmp_path, textwrap.dedent(SCRIPT), args=[tmp_path], timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    ]
+    chief = ranks[0]
+    for case in ("shuffle_dropout", "train_step", "compute_loss"):
+        assert chief[case]["init"] == 0.0, case
+        assert chief[case]["weights"] <= 1e-5, (case, chief[case])
+        assert chief[case]["generators_as_plain_keras"], case
+        # Every rank drew what the chief drew.
+        assert ranks[1][case + "_generators"] == chief[case + "_generators"]
+    for result in ranks:
+        assert result["save"] == 0.0 and result["save_weights"] == 0.0
+        assert result["caught"] == "boom"
+        assert result["fit_after_caught"] == 1
+        assert result["mixing"] == "StrategyMixingError"
