@@ -1,0 +1,791 @@
+"""Feature-parity matrix: each Keras feature trains under `MirroredStrategy`
+with 2 and 3 replicas exactly like plain Keras on one device.
+
+Every row is a function of a `Context` (no strategy: plain Keras; else the
+strategy's scope) that builds a tiny model from a fixed seed, trains it and
+returns its initial and final weights, History, `evaluate` and `predict`
+(plus row-specific extras). The test compares each strategy run with the
+plain run: ``max|a - b| / max|a|`` per tensor (weights) or per log key.
+
+JAX and TensorFlow run the strategy in this process on simulated CPU
+devices. Torch needs one process per device: one script per replica count
+(`_TORCH_SCRIPT`) imports this module, runs every row under the strategy and
+rank 0 writes the results to JSON; the plain run happens in this process.
+
+Rows that fail on a backend today are marked ``xfail(strict=False)`` in
+`XFAIL` (issue #8). Set ``KERAS_DIST_MATRIX_REPORT=<file>`` to append one
+line per row and replica count with the measured difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+BACKEND = keras.backend.backend()
+ROOT = Path(__file__).resolve().parent.parent
+REPLICAS = (2, 3)
+
+# float32 parity (SGD, tanh): see CONTRIBUTING.md.
+TOLERANCE = 1e-5
+# Mixed precision: every bfloat16 rounding step is ~2**-8 relative, float16
+# ~2**-11; summing a batch in another order (shards, all-reduce) flips some
+# roundings, which a few SGD steps carry into the float32 weights.
+BF16_TOLERANCE = 2e-2
+F16_TOLERANCE = 3e-3
+
+# (row, backend) -> why it fails today (issue #8).
+XFAIL: dict[tuple[str, str], str] = {}
+
+ROWS = {}
+
+
+def row(name, tolerance=TOLERANCE):
+    def register(fn):
+        fn.tolerance = tolerance
+        ROWS[name] = fn
+        return fn
+
+    return register
+
+
+class Context:
+    """What a row needs: the scope to build in and a directory to write."""
+
+    def __init__(self, strategy, directory):
+        self.strategy = strategy
+        self.directory = str(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.is_chief = os.environ.get("RANK", "0") == "0"
+        self.initial = None
+
+    def scope(self):
+        if self.strategy is None:
+            return contextlib.nullcontext()
+        return self.strategy.scope()
+
+    def path(self, name):
+        return os.path.join(self.directory, name)
+
+    def model(self, build, optimizer=None, **compile_kwargs):
+        """Builds (seed 0) and compiles in the scope; keeps the initial
+        weights. `optimizer` is a callable, called inside the scope."""
+        keras.utils.set_random_seed(0)
+        with self.scope():
+            model = build()
+            model.compile(optimizer=(optimizer or _sgd)(), **compile_kwargs)
+        self.initial = model.get_weights()
+        return model
+
+    def results(
+        self, model, history=None, x=None, y=None, batch_size=6, **extra
+    ):
+        out = {"initial": self.initial, "weights": model.get_weights()}
+        if history is not None:
+            out["history"] = (
+                history.history if hasattr(history, "history") else history
+            )
+        if x is not None:
+            out["evaluate"] = model.evaluate(
+                x, y, batch_size=batch_size, verbose=0, return_dict=True
+            )
+            out["predict"] = model.predict(x, batch_size=batch_size, verbose=0)
+        out.update(extra)
+        return _jsonable(out)
+
+
+def _jsonable(value):
+    """JSON-able copy of a result: every tensor (or list of numbers, such as
+    a History entry) becomes ``{"a": flat values, "s": shape}``."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, (list, tuple)) and not all(
+        isinstance(v, (int, float, np.number)) for v in value
+    ):
+        return [_jsonable(v) for v in value]
+    array = np.asarray(keras.ops.convert_to_numpy(value), "float64")
+    return {"a": array.ravel().tolist(), "s": list(array.shape)}
+
+
+def _sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def _data(n=16, features=4, outputs=2, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.normal(size=(n, outputs)).astype("float32")
+    return x, y
+
+
+def _mlp(features=4, outputs=2, hidden=8, **dense_kwargs):
+    inputs = keras.Input((features,))
+    h = keras.layers.Dense(hidden, activation="tanh", **dense_kwargs)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(outputs)(h))
+
+
+def _fit(model, x, y, batch_size=6, epochs=2, **kwargs):
+    kwargs.setdefault("shuffle", False)
+    return model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, verbose=0, **kwargs
+    )
+
+
+def _standard(
+    ctx,
+    build=_mlp,
+    optimizer=None,
+    data=None,
+    batch_size=6,
+    epochs=2,
+    fit_kwargs=None,
+    **compile_kwargs,
+):
+    compile_kwargs.setdefault("loss", "mse")
+    compile_kwargs.setdefault("metrics", ["mae"])
+    model = ctx.model(build, optimizer, **compile_kwargs)
+    x, y = data if data is not None else _data()
+    history = _fit(model, x, y, batch_size, epochs, **(fit_kwargs or {}))
+    return ctx.results(model, history, x, y, batch_size)
+
+
+# -- rows --------------------------------------------------------------------
+@row("multi_io_dict_losses")
+def _multi_io(ctx):
+    def build():
+        a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+        h = keras.layers.Dense(8, activation="tanh")(
+            keras.layers.Concatenate()([a, b])
+        )
+        out_a = keras.layers.Dense(2, name="out_a")(h)
+        out_b = keras.layers.Dense(1, name="out_b")(h)
+        return keras.Model({"a": a, "b": b}, {"out_a": out_a, "out_b": out_b})
+
+    model = ctx.model(
+        build,
+        loss={"out_a": "mse", "out_b": "huber"},
+        loss_weights={"out_a": 1.0, "out_b": 0.5},
+        metrics={"out_a": ["mae"], "out_b": ["mse"]},
+    )
+    rng = np.random.default_rng(1)
+    x = {
+        "a": rng.normal(size=(16, 4)).astype("float32"),
+        "b": rng.normal(size=(16, 3)).astype("float32"),
+    }
+    y = {
+        "out_a": rng.normal(size=(16, 2)).astype("float32"),
+        "out_b": rng.normal(size=(16, 1)).astype("float32"),
+    }
+    return ctx.results(model, _fit(model, x, y), x, y)
+
+
+def _custom_train_step_class():
+    """The Keras guide's "customizing fit" train_step, per backend."""
+    mse = keras.losses.MeanSquaredError()
+
+    class Base(keras.Model):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker, self.mae_metric]
+
+    if BACKEND == "jax":
+        import jax
+
+        class Custom(Base):
+            def loss_and_updates(self, trainable, non_trainable, x, y):
+                y_pred, non_trainable = self.stateless_call(
+                    trainable, non_trainable, x, training=True
+                )
+                return mse(y, y_pred), (y_pred, non_trainable)
+
+            def train_step(self, state, data):
+                trainable, non_trainable, opt_vars, metric_vars = state
+                x, y = data
+                grad_fn = jax.value_and_grad(
+                    self.loss_and_updates, has_aux=True
+                )
+                (loss, (y_pred, non_trainable)), grads = grad_fn(
+                    trainable, non_trainable, x, y
+                )
+                trainable, opt_vars = self.optimizer.stateless_apply(
+                    opt_vars, grads, trainable
+                )
+                new_vars, logs = [], {}
+                for metric in self.metrics:
+                    start = len(new_vars)
+                    this = metric_vars[start : start + len(metric.variables)]
+                    if metric.name == "loss":
+                        this = metric.stateless_update_state(this, loss)
+                    else:
+                        this = metric.stateless_update_state(this, y, y_pred)
+                    logs[metric.name] = metric.stateless_result(this)
+                    new_vars += this
+                return logs, (trainable, non_trainable, opt_vars, new_vars)
+
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        class Custom(Base):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = mse(y, y_pred)
+                grads = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply(grads, self.trainable_variables)
+                self.loss_tracker.update_state(loss)
+                self.mae_metric.update_state(y, y_pred)
+                return {m.name: m.result() for m in self.metrics}
+
+    else:
+        import torch
+
+        class Custom(Base):
+            def train_step(self, data):
+                x, y = data
+                self.zero_grad()
+                y_pred = self(x, training=True)
+                loss = mse(y, y_pred)
+                loss.backward()
+                variables = self.trainable_weights
+                grads = [v.value.grad for v in variables]
+                with torch.no_grad():
+                    self.optimizer.apply(grads, variables)
+                self.loss_tracker.update_state(loss)
+                self.mae_metric.update_state(y, y_pred)
+                return {m.name: m.result() for m in self.metrics}
+
+    return Custom
+
+
+@row("train_step_override")
+def _train_step_override(ctx):
+    custom = _custom_train_step_class()
+
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, activation="tanh")(inputs)
+        return custom(inputs, keras.layers.Dense(2)(h))
+
+    model = ctx.model(build)
+    x, y = _data()
+    history = _fit(model, x, y)
+    return ctx.results(model, history, predict=model.predict(x, verbose=0))
+
+
+def _wrapping_class():
+    """test_step/predict_step wrap Keras's own (stateless on JAX)."""
+
+    class Wrapping(keras.Model):
+        def test_step(self, *args):
+            out = super().test_step(*args)
+            logs, state = out if BACKEND == "jax" else (out, None)
+            logs = dict(logs, twice_loss=logs["loss"] * 2.0)
+            return (logs, state) if BACKEND == "jax" else logs
+
+        def predict_step(self, *args):
+            out = super().predict_step(*args)
+            y, state = out if BACKEND == "jax" else (out, None)
+            y = {"y": y, "y_squared": ops.square(y)}
+            return (y, state) if BACKEND == "jax" else y
+
+        def compute_loss(
+            self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+        ):
+            loss = super().compute_loss(
+                x, y, y_pred, sample_weight, training=training
+            )
+            return loss + 0.1 * ops.mean(ops.square(y_pred))
+
+    return Wrapping
+
+
+@row("test_predict_step_compute_loss_overrides")
+def _step_overrides(ctx):
+    wrapping = _wrapping_class()
+
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, activation="tanh")(inputs)
+        return wrapping(inputs, keras.layers.Dense(2)(h))
+
+    return _standard(ctx, build, fit_kwargs={"validation_split": 0.25})
+
+
+@row("class_weight")
+def _class_weight(ctx):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.integers(0, 3, 16)
+
+    def build():
+        return _mlp(outputs=3)
+
+    model = ctx.model(
+        build,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    history = _fit(model, x, y, class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+    return ctx.results(model, history, x, y)
+
+
+@row("validation_split_data_freq")
+def _validation(ctx):
+    model = ctx.model(_mlp, loss="mse", metrics=["mae"])
+    x, y = _data()
+    xv, yv = _data(7, seed=3)
+    first = _fit(model, x, y, batch_size=5, validation_split=0.25)
+    second = _fit(
+        model,
+        x,
+        y,
+        batch_size=5,
+        epochs=4,
+        validation_data=(xv, yv),
+        validation_freq=2,
+    )
+    return ctx.results(
+        model,
+        {"first": first.history, "second": second.history},
+        xv,
+        yv,
+    )
+
+
+@row("stock_callbacks")
+def _callbacks(ctx):
+    model = ctx.model(_mlp, loss="mse", metrics=["mae"])
+    x, y = _data()
+    csv, checkpoint = ctx.path("log.csv"), ctx.path("best.weights.h5")
+    callbacks = [
+        # min_delta larger than any change: stops after 1 + patience epochs.
+        keras.callbacks.EarlyStopping(
+            monitor="loss", min_delta=10.0, patience=3
+        ),
+        keras.callbacks.ReduceLROnPlateau(
+            monitor="loss", factor=0.5, patience=1, min_delta=10.0
+        ),
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9),
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.CSVLogger(csv),
+        keras.callbacks.ModelCheckpoint(
+            checkpoint,
+            monitor="loss",
+            save_best_only=True,
+            save_weights_only=True,
+        ),
+    ]
+    history = _fit(model, x, y, epochs=10, callbacks=callbacks)
+    extra = {}
+    if ctx.is_chief:
+        rows = [line.split(",") for line in open(csv).read().split()]
+        extra["csv_header"] = rows[0]
+        extra["csv"] = [[float(v) for v in r] for r in rows[1:]]
+        saved = _mlp()
+        saved.load_weights(checkpoint)
+        extra["checkpoint"] = saved.get_weights()
+    return ctx.results(model, history, x, y, **extra)
+
+
+@row("mixed_bfloat16", tolerance=BF16_TOLERANCE)
+def _mixed_bf16(ctx):
+    def build():
+        return _mlp(dtype="mixed_bfloat16")
+
+    return _standard(ctx, build)
+
+
+@row("mixed_float16", tolerance=F16_TOLERANCE)
+def _mixed_f16(ctx):
+    def build():
+        return _mlp(dtype="mixed_float16")
+
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(_sgd())
+
+    return _standard(ctx, build, optimizer)
+
+
+@row("steps_per_execution")
+def _steps_per_execution(ctx):
+    # 30 samples, batch 6: 5 steps an epoch, run as 4 + 1.
+    return _standard(ctx, data=_data(30), steps_per_execution=4)
+
+
+@row("jit_compile_false")
+def _no_jit(ctx):
+    return _standard(ctx, jit_compile=False)
+
+
+@row("run_eagerly")
+def _eager(ctx):
+    return _standard(ctx, run_eagerly=True)
+
+
+@row("shuffle")
+def _shuffle(ctx):
+    model = ctx.model(_mlp, loss="mse", metrics=["mae"])
+    x, y = _data()
+    keras.utils.set_random_seed(1)
+    history = _fit(model, x, y, shuffle=True)
+    return ctx.results(model, history, x, y)
+
+
+@row("lstm_gru_embedding")
+def _recurrent(ctx):
+    def build():
+        inputs = keras.Input((5,), dtype="int32")
+        h = keras.layers.Embedding(10, 4)(inputs)
+        h = keras.layers.LSTM(4, return_sequences=True)(h)
+        h = keras.layers.GRU(4)(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    x = np.random.default_rng(4).integers(0, 10, (16, 5)).astype("int32")
+    return _standard(ctx, build, data=(x, _data()[1]))
+
+
+@row("dropout")
+def _dropout(ctx):
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, activation="tanh")(inputs)
+        h = keras.layers.Dropout(0.3)(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    return _standard(ctx, build)
+
+
+@row("batch_and_layer_normalization")
+def _normalization(ctx):
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8)(inputs)
+        h = keras.layers.BatchNormalization(momentum=0.8)(h)
+        h = keras.layers.Activation("tanh")(h)
+        h = keras.layers.LayerNormalization()(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    return _standard(ctx, build)
+
+
+class _AddLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.05 * ops.mean(ops.square(x)))
+        return x
+
+
+@row("regularizers_add_loss")
+def _regularizers(ctx):
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(
+            8,
+            activation="tanh",
+            kernel_regularizer=keras.regularizers.L2(0.01),
+            activity_regularizer=keras.regularizers.L2(0.01),
+        )(inputs)
+        h = _AddLoss()(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    return _standard(ctx, build)
+
+
+@row("stateful_metrics")
+def _metrics(ctx):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = (rng.uniform(size=(16, 1)) > 0.5).astype("float32")
+
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, activation="tanh")(inputs)
+        out = keras.layers.Dense(1, activation="sigmoid")(h)
+        return keras.Model(inputs, out)
+
+    return _standard(
+        ctx,
+        build,
+        data=(x, y),
+        loss="binary_crossentropy",
+        metrics=[
+            keras.metrics.AUC(name="auc"),
+            keras.metrics.Precision(name="precision"),
+            keras.metrics.Recall(name="recall"),
+            keras.metrics.BinaryAccuracy(name="accuracy"),
+            keras.metrics.MeanSquaredError(name="mse"),
+        ],
+    )
+
+
+def _optimizer_row(name, **options):
+    @row(f"optimizer_{name}")
+    def run(ctx):
+        def optimizer():
+            kwargs = dict(options)
+            learning_rate = kwargs.pop("learning_rate", 0.1)
+            return keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
+
+        return _standard(ctx, optimizer=optimizer)
+
+    return run
+
+
+_optimizer_row("clipnorm", clipnorm=0.05)
+_optimizer_row("global_clipnorm", global_clipnorm=0.05)
+_optimizer_row("clipvalue", clipvalue=0.01)
+_optimizer_row("gradient_accumulation", gradient_accumulation_steps=2)
+_optimizer_row("ema", use_ema=True, ema_momentum=0.8)
+_optimizer_row(
+    "lr_schedule",
+    learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5),
+)
+
+
+@row("optimizer_loss_scale")
+def _loss_scale(ctx):
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(_sgd())
+
+    return _standard(ctx, optimizer=optimizer)
+
+
+@row("on_batch_methods")
+def _on_batch(ctx):
+    model = ctx.model(_mlp, loss="mse", metrics=["mae"])
+    x, y = _data(17)
+    logs = []
+    for start, stop in ((0, 6), (6, 11), (11, 17)):  # 6, 5, 6 samples
+        logs.append(
+            model.train_on_batch(x[start:stop], y[start:stop], return_dict=True)
+        )
+    tested = model.test_on_batch(x[:5], y[:5], return_dict=True)
+    predicted = model.predict_on_batch(x[:5])
+    return ctx.results(
+        model, logs, test_on_batch=tested, predict_on_batch=predicted
+    )
+
+
+@row("tiny_data")
+def _tiny(ctx):
+    model = ctx.model(_mlp, loss="mse", metrics=["mae"])
+    x, y = _data()
+    one = _fit(model, x[:1], y[:1])  # one sample
+    two = _fit(model, x[:2], y[:2], batch_size=2)  # fewer than 3 replicas
+    return ctx.results(
+        model,
+        {"one": one.history, "two": two.history},
+        x[:2],
+        y[:2],
+        evaluate_one=model.evaluate(x[:1], y[:1], verbose=0, return_dict=True),
+        predict_one=model.predict(x[:1], verbose=0),
+    )
+
+
+@row("save_load_continue")
+def _save_load(ctx):
+    model = ctx.model(_mlp, loss="mse", metrics=["mae"])
+    x, y = _data()
+    first = _fit(model, x, y, epochs=1)
+    path = ctx.path("model.keras")
+    model.save(path)
+    with ctx.scope():
+        loaded = keras.models.load_model(path)
+    second = _fit(loaded, x, y, epochs=2)
+    return ctx.results(
+        loaded, {"first": first.history, "second": second.history}, x, y
+    )
+
+
+# -- comparison --------------------------------------------------------------
+def _flatten(value, prefix=""):
+    """{path: float64 array or str} of a `_jsonable` result."""
+    if isinstance(value, dict) and set(value) == {"a", "s"}:
+        return {prefix: np.asarray(value["a"], "float64").reshape(value["s"])}
+    if isinstance(value, dict):
+        out = {}
+        for key in sorted(value):
+            out.update(_flatten(value[key], f"{prefix}/{key}"))
+        return out
+    if isinstance(value, list):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(_flatten(item, f"{prefix}[{i}]"))
+        return out
+    return {prefix: value}
+
+
+def compare(reference, got):
+    """Max relative difference over every tensor / log key (``inf`` when a
+    shape or key differs); returns (worst, where)."""
+    worst, where = 0.0, None
+    ref_weights = {
+        "weights": reference["weights"],
+        "initial": reference["initial"],
+    }
+    for name in ("initial", "weights"):
+        if len(got[name]) != len(ref_weights[name]):
+            return float("inf"), f"{name}: count differs"
+    ref, new = _flatten(reference), _flatten(got)
+    if set(ref) != set(new):
+        return float("inf"), f"keys differ: {sorted(set(ref) ^ set(new))}"
+    for key, a in ref.items():
+        b = new[key]
+        if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+            if a != b:
+                return float("inf"), f"{key}: {a!r} != {b!r}"
+            continue
+        if a.shape != b.shape:
+            return float("inf"), f"{key}: shape {a.shape} != {b.shape}"
+        if a.size == 0:
+            continue
+        scale = max(float(np.max(np.abs(a))), 1e-6)
+        diff = float(np.max(np.abs(a - b))) / scale
+        if not diff <= worst:  # also catches NaN
+            worst, where = diff, key
+    return worst, where
+
+
+def _report(name, replicas, text):
+    path = os.environ.get("KERAS_DIST_MATRIX_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{BACKEND}\t{name}\t{replicas}\t{text}\n")
+
+
+def _check(name, reference, outcome, replicas):
+    if "error" in outcome:
+        _report(name, replicas, "ERROR " + outcome["error"].splitlines()[-1])
+        pytest.fail(f"{replicas} replicas raised:\n{outcome['error']}")
+    got = outcome["result"]
+    initial, _ = compare(
+        {"initial": reference["initial"], "weights": []},
+        {"initial": got["initial"], "weights": []},
+    )
+    worst, where = compare(reference, got)
+    _report(name, replicas, f"{worst:.3g}\t{where}")
+    assert initial == 0.0, f"{replicas} replicas: initial weights differ"
+    tolerance = ROWS[name].tolerance
+    assert worst <= tolerance, (
+        f"{replicas} replicas: max relative difference {worst:.3g} at "
+        f"{where} > {tolerance}"
+    )
+
+
+def _run_row(name, strategy, directory):
+    try:
+        return {"result": ROWS[name](Context(strategy, directory))}
+    except Exception:  # noqa: BLE001 - reported per row.
+        return {"error": traceback.format_exc()}
+
+
+# -- torch: one script per replica count --------------------------------------
+_TORCH_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import keras_dist
+from tests import test_feature_matrix as matrix
+
+n, out, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+strategy = keras_dist.MirroredStrategy(devices=[f"cpu:{{i}}" for i in range(n)])
+results = {{}}
+for name in names or list(matrix.ROWS):
+    results[name] = matrix._run_row(
+        name, strategy, os.path.join(os.path.dirname(out), f"{{name}}-{{n}}"))
+if os.environ.get("RANK", "0") == "0":
+    with open(out, "w") as f:
+        json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_results(tmp_path_factory):
+    from tests.utils import run_torch_script
+
+    results = {}
+    for n in REPLICAS:
+        directory = tmp_path_factory.mktemp(f"torch{n}")
+        out = directory / "results.json"
+        proc, seconds = run_torch_script(
+            directory,
+            _TORCH_SCRIPT.format(root=str(ROOT)),
+            [n, out],
+            timeout=300,
+            env={"KERAS_DIST_CPU_DEVICES": str(n)},
+        )
+        if proc.returncode != 0 or not out.exists():
+            error = (
+                f"torch script exited {proc.returncode}:\n"
+                + (proc.stderr[-3000:])
+            )
+            results[n] = {name: {"error": error} for name in ROWS}
+        else:
+            results[n] = json.loads(out.read_text())
+        print(f"torch matrix, {n} replicas: {seconds:.1f} s")
+    return results
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    import keras_dist
+
+    return {
+        n: keras_dist.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)])
+        for n in REPLICAS
+    }
+
+
+def _params():
+    params = []
+    for name in ROWS:
+        marks = [pytest.mark.multi_device]
+        if BACKEND == "torch":
+            marks += [pytest.mark.multi_process, pytest.mark.slow]
+        reason = XFAIL.get((name, BACKEND))
+        if reason:
+            marks.append(
+                pytest.mark.xfail(strict=False, reason=f"issue #8: {reason}")
+            )
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@pytest.mark.parametrize("name", _params())
+def test_row(name, request, tmp_path):
+    reference = _run_row(name, None, tmp_path / "plain")
+    assert "error" not in reference, reference.get("error")
+    reference = reference["result"]
+    failures = []
+    for n in REPLICAS:
+        if BACKEND == "torch":
+            outcome = request.getfixturevalue("torch_results")[n][name]
+        else:
+            strategy = request.getfixturevalue("strategies")[n]
+            outcome = _run_row(name, strategy, tmp_path / f"n{n}")
+        try:
+            _check(name, reference, outcome, n)
+        except AssertionError as error:
+            failures.append(str(error))
+        except pytest.fail.Exception as error:
+            failures.append(str(error))
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick look at one row
+    print(json.dumps(_run_row(sys.argv[1], None, "/tmp/matrix")))
