@@ -1,49 +1,430 @@
-"""The ``keras-dist`` command: ``keras-dist doctor`` reports what it sees."""
+"""The ``keras-dist`` command: ``keras-dist doctor`` checks this machine.
+
+``keras-dist doctor`` reports the Keras backend, the versions that matter,
+the devices, the cluster environment the launcher variables describe, what
+``keras_dist.MirroredStrategy()`` would use, and whether a small all-reduce
+over those devices works (and how long it took). It exits with status 1 and
+says why when something is wrong. It never starts training processes: on
+torch, where ``MirroredStrategy()`` starts one process per device, it only
+says what the strategy would start.
+
+    keras-dist doctor [--cpu-devices N] [--json]
+    python -m keras_dist.cli doctor [--cpu-devices N] [--json]
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import platform
 import sys
+import time
+
+# Variables a launcher sets to place this process in a job. Reported as they
+# are, beside what keras_dist makes of them.
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+)
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_COMM_WORLD_")
+# Settings that change what keras_dist sees.
+_SETTINGS = (
+    "KERAS_BACKEND",
+    "KERAS_DIST_CPU_DEVICES",
+    "XLA_FLAGS",
+    "CUDA_VISIBLE_DEVICES",
+    "JAX_PLATFORMS",
+)
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001 - not installed or broken: say so.
+        return None
+    return getattr(module, "__version__", "unknown")
+
+
+def _backend_module():
+    """The keras_dist module that drives the active backend."""
+    errors = []
+    for name in ("keras_dist._src.backends", "keras_dist._src.backend"):
+        try:
+            package = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            errors.append(str(error))
+            continue
+        return package.get()
+    raise ImportError("; ".join(errors))
+
+
+def _launcher_variables() -> dict:
+    found = {}
+    for name in sorted(os.environ):
+        if name in _LAUNCHER_VARIABLES or name.startswith(_LAUNCHER_PREFIXES):
+            found[name] = os.environ[name]
+    return found
+
+
+def _cluster() -> dict:
+    """What the launcher variables say about this process's place."""
+    report = {"variables": _launcher_variables()}
+    try:
+        from keras_dist._src.cluster import detect_environment
+    except ImportError:
+        report["environment"] = None
+        return report
+    environment = detect_environment()  # errors are reported by the caller
+    if hasattr(environment, "__dataclass_fields__"):
+        import dataclasses
+
+        environment = dataclasses.asdict(environment)
+        environment["worker_addresses"] = list(
+            environment.get("worker_addresses") or []
+        )
+    else:
+        environment = repr(environment)
+    report["environment"] = environment
+    return report
+
+
+# -- all-reduce checks, one a backend ------------------------------------------
+def _all_reduce_jax(devices: list[str]) -> float:
+    """Sum of 1..N over an array sharded on a `Mesh` of `devices`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    by_name = {}
+    for device in jax.devices():
+        by_name[f"{device.platform}:{device.id}"] = device
+    if jax.default_backend() != "cpu":
+        for device in jax.devices("cpu"):
+            by_name.setdefault(f"cpu:{device.id}", device)
+    mesh = Mesh(np.array([by_name[d] for d in devices]), ("replica",))
+    values = np.arange(1, len(devices) + 1, dtype="float32")
+    sharded = jax.device_put(
+        values, NamedSharding(mesh, PartitionSpec("replica"))
+    )
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    result = total(sharded)
+    shards = {float(s.data) for s in result.addressable_shards}
+    if len(shards) != 1:
+        raise RuntimeError(f"the devices disagree on the sum: {shards}")
+    return float(result)
+
+
+def _all_reduce_tensorflow(devices: list[str]) -> float:
+    """A replica-context all-reduce under `tf.distribute.MirroredStrategy`."""
+    import tensorflow as tf
+
+    names = []
+    for device in devices:
+        kind, index = device.split(":")
+        names.append(f"/device:{kind.upper()}:{index}")
+    strategy = tf.distribute.MirroredStrategy(names)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            own = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, own)
+
+        return strategy.run(replica_fn)
+
+    results = {
+        float(v.numpy()) for v in strategy.experimental_local_results(step())
+    }
+    if len(results) != 1:
+        raise RuntimeError(f"the replicas disagree on the sum: {results}")
+    return results.pop()
+
+
+def _all_reduce_torch(devices: list[str]) -> float:
+    """An all-reduce in a one-process gloo group (starts no process)."""
+    import datetime
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a torch process group already runs here")
+    with tempfile.TemporaryDirectory() as folder:
+        store = dist.FileStore(os.path.join(folder, "store"), 1)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            value = torch.arange(1, len(devices) + 1, dtype=torch.float32)
+            dist.all_reduce(value)
+            return float(value.sum())
+        finally:
+            dist.destroy_process_group()
+
+
+_ALL_REDUCE = {
+    "jax": _all_reduce_jax,
+    "tensorflow": _all_reduce_tensorflow,
+    "torch": _all_reduce_torch,
+}
+
+
+def _framework_versions(backend: str) -> dict:
+    if backend == "jax":
+        return {"jax": _version("jax"), "jaxlib": _version("jaxlib")}
+    if backend == "tensorflow":
+        return {"tensorflow": _version("tensorflow")}
+    if backend == "torch":
+        versions = {"torch": _version("torch")}
+        try:
+            import torch
+
+            versions["torch_cuda"] = torch.version.cuda
+        except Exception:  # noqa: BLE001
+            pass
+        return versions
+    return {}
+
+
+def collect(cpu_devices: int = 0) -> dict:
+    """Builds the doctor's report; ``report["problems"]`` lists what is
+    wrong (empty when all is well)."""
+    problems = []
+    report = {
+        "backend": None,
+        "backend_from": (
+            "KERAS_BACKEND"
+            if os.environ.get("KERAS_BACKEND")
+            else "Keras config file or default"
+        ),
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": _version("numpy"),
+            "keras": _version("keras"),
+            "keras_dist": _version("keras_dist"),
+        },
+        "settings": {k: os.environ[k] for k in _SETTINGS if k in os.environ},
+        "devices": None,
+        "mirrored_strategy": None,
+        "cluster": None,
+        "all_reduce": None,
+        "problems": problems,
+    }
+    try:
+        import keras
+
+        import keras_dist
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"cannot import keras_dist: {error}")
+        return report
+    backend = keras.backend.backend()
+    report["backend"] = backend
+    report["versions"].update(_framework_versions(backend))
+    try:
+        module = _backend_module()
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"backend {backend!r}: {error}")
+        return report
+
+    # Before anything asks the backend for its devices: `import keras_dist`
+    # ran before this function, so the environment variable alone is late.
+    if cpu_devices:
+        try:
+            keras_dist.simulate_cpu_devices(int(cpu_devices))
+        except Exception as error:  # noqa: BLE001
+            problems.append(f"--cpu-devices {cpu_devices}: {error}")
+
+    try:
+        report["devices"] = keras_dist.list_devices()
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"cannot list devices: {error}")
+        return report
+
+    try:
+        devices = list(module.default_devices())
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"MirroredStrategy() has no devices: {error}")
+        devices = []
+    mirrored = {"devices": devices, "replicas": len(devices)}
+    if backend == "torch":
+        mirrored["processes"] = len(devices)
+        mirrored["note"] = (
+            f"starts {len(devices)} processes (one per device) unless a "
+            "launcher already started them"
+            if len(devices) > 1
+            else "runs in this process"
+        )
+    else:
+        mirrored["processes"] = 1
+    report["mirrored_strategy"] = mirrored
+    if cpu_devices and devices and devices[0].startswith("cpu"):
+        if len(devices) != cpu_devices:
+            problems.append(
+                f"asked for {cpu_devices} simulated CPU devices, but "
+                f"MirroredStrategy() would use {len(devices)}: {devices}"
+            )
+
+    try:
+        report["cluster"] = _cluster()
+    except Exception as error:  # noqa: BLE001
+        report["cluster"] = {"variables": _launcher_variables()}
+        problems.append(f"cluster environment: {error}")
+
+    if devices and backend in _ALL_REDUCE:
+        expected = float(len(devices) * (len(devices) + 1) // 2)
+        start = time.perf_counter()
+        try:
+            total = _ALL_REDUCE[backend](devices)
+        except Exception as error:  # noqa: BLE001
+            total = None
+            problems.append(
+                f"all-reduce over {devices} failed: "
+                f"{type(error).__name__}: {error}"
+            )
+        seconds = time.perf_counter() - start
+        report["all_reduce"] = {
+            "devices": (
+                devices if backend != "torch" else ["cpu:0 (gloo, 1 process)"]
+            ),
+            "result": total,
+            "expected": expected,
+            "ok": total == expected,
+            "seconds": round(seconds, 3),
+        }
+        if total is not None and total != expected:
+            problems.append(
+                f"all-reduce over {devices} gave {total}, not {expected}"
+            )
+    return report
+
+
+def _format(report: dict) -> str:
+    lines = []
+
+    def row(name, value):
+        lines.append(f"{name:<20} {value}")
+
+    settings = dict(report["settings"])
+    chosen = settings.pop("KERAS_BACKEND", None)
+    source = (
+        f"KERAS_BACKEND={chosen}"
+        if chosen
+        else "KERAS_BACKEND unset: Keras's config file or default"
+    )
+    row("backend", f"{report['backend']} ({source})")
+    row(
+        "versions",
+        ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+    )
+    if settings:
+        row("settings", " ".join(f"{k}={v}" for k, v in settings.items()))
+    if report["devices"] is not None:
+        row("devices", " ".join(report["devices"]) or "none")
+    mirrored = report["mirrored_strategy"]
+    if mirrored is not None:
+        count = mirrored["replicas"]
+        text = (
+            f"{count} replica{'s' if count != 1 else ''} on "
+            f"{' '.join(mirrored['devices'])}"
+        )
+        if "note" in mirrored:
+            text += f"; {mirrored['note']}"
+        row("MirroredStrategy()", text)
+    cluster = report["cluster"]
+    if cluster is not None:
+        environment = cluster.get("environment")
+        if isinstance(environment, dict):
+            text = (
+                f"{environment['source']}: rank {environment['rank']} of "
+                f"{environment['world_size']}"
+            )
+            if environment.get("coordinator_host"):
+                text += (
+                    f", coordinator {environment['coordinator_host']}:"
+                    f"{environment['coordinator_port']}"
+                )
+        elif environment is None:
+            text = "not detected by this keras_dist version"
+        else:
+            text = str(environment)
+        row("cluster", text)
+        variables = cluster["variables"]
+        row(
+            "launcher variables",
+            " ".join(f"{k}={v}" for k, v in variables.items()) or "none set",
+        )
+    result = report["all_reduce"]
+    if result is not None:
+        verdict = "ok" if result["ok"] else "FAILED"
+        row(
+            "all-reduce",
+            f"{verdict}: sum over {len(result['devices'])} "
+            f"device(s) = {result['result']} (expected "
+            f"{result['expected']}) in {result['seconds']:.3f} s",
+        )
+    if report["problems"]:
+        lines.append("")
+        for problem in report["problems"]:
+            lines.append(f"PROBLEM: {problem}")
+    else:
+        lines.append("")
+        lines.append("OK: nothing wrong found.")
+    return "\n".join(lines)
 
 
 def doctor(args) -> int:
-    """Prints the backend, versions and devices keras_dist would use."""
-    if args.cpu_devices:
-        os.environ["KERAS_DIST_CPU_DEVICES"] = str(args.cpu_devices)
-    import keras
-
-    import keras_dist
-
-    report = {
-        "python": sys.version.split()[0],
-        "keras": keras.__version__,
-        "keras_dist": keras_dist.__version__,
-        "backend": keras.backend.backend(),
-        "devices": keras_dist.list_devices(),
-    }
-    try:
-        report["mirrored_devices"] = list(keras_dist.MirroredStrategy().devices)
-    except keras_dist.KerasDistError as error:
-        report["mirrored_devices"] = f"unavailable: {error}"
-    print(json.dumps(report, indent=2))
-    return 0
+    """Prints what keras_dist sees here; returns 1 when something is
+    wrong, else 0."""
+    report = collect(args.cpu_devices)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_format(report))
+    return 1 if report["problems"] else 0
 
 
 def main(argv=None) -> int:
     """Entry point of the ``keras-dist`` console script."""
     parser = argparse.ArgumentParser(prog="keras-dist")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("doctor", help="show backend, versions and devices")
+    p = sub.add_parser(
+        "doctor",
+        help="check the backend, versions, devices, cluster and all-reduce",
+        description=(
+            "Reports the Keras backend, versions, devices, the cluster "
+            "environment, what MirroredStrategy() would use and whether an "
+            "all-reduce over those devices works. Exits 1 when something "
+            "is wrong. Starts no training process."
+        ),
+    )
     p.add_argument(
         "--cpu-devices",
         type=int,
         default=0,
-        help="simulate this many CPU devices first",
+        metavar="N",
+        help="simulate N CPU devices first (as KERAS_DIST_CPU_DEVICES=N)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the report as JSON"
     )
     p.set_defaults(func=doctor)
     args = parser.parse_args(argv)
+    if getattr(args, "cpu_devices", 0) and args.cpu_devices < 1:
+        parser.error("--cpu-devices needs a positive integer")
     return args.func(args)
 
 

@@ -1,0 +1,81 @@
+"""`keras-dist doctor` as a user runs it: a fresh process, the active backend.
+
+Each test starts ``python -m keras_dist.cli doctor`` (the console script's
+code) so that the device settings are applied the way a user's are: before
+the backend starts, in a process that has not imported anything yet.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+BACKEND = keras.backend.backend()
+
+
+def _doctor(*args, **env_updates):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")
+        and not k.startswith(("SLURM_", "OMPI_COMM_WORLD_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TF_CONFIG")
+    }
+    env["KERAS_BACKEND"] = BACKEND
+    env.update(env_updates)
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def _cpu_only(report) -> bool:
+    return all(d.startswith("cpu:") for d in report["devices"])
+
+
+@pytest.mark.slow  # a fresh process: 5-10 s
+def test_doctor_json_without_simulated_devices():
+    out = _doctor("--json")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    report = json.loads(out.stdout)  # one report, nothing else on stdout
+    assert report["backend"] == BACKEND
+    assert report["problems"] == []
+    assert report["versions"]["keras_dist"]
+    assert report["versions"][BACKEND]
+    assert report["cluster"]["environment"]["source"] == "local"
+    assert report["all_reduce"]["ok"]
+    if _cpu_only(report):
+        # One process, one device: JAX's and TF's default, torch's without
+        # simulated devices (it would start no other process).
+        assert report["mirrored_strategy"]["devices"] == ["cpu:0"]
+
+
+def test_doctor_simulates_four_devices_and_all_reduces():
+    # In the fast loop: --cpu-devices once reported one device.
+    out = _doctor("--cpu-devices", "4")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.count("MirroredStrategy()") == 1  # printed once
+    assert "4 replicas on cpu:0 cpu:1 cpu:2 cpu:3" in out.stdout
+    assert "all-reduce           ok" in out.stdout
+    assert "OK: nothing wrong found." in out.stdout
+    if BACKEND == "torch":
+        assert "starts 4 processes" in out.stdout
+
+
+@pytest.mark.slow  # a fresh process: 5-10 s
+def test_doctor_exits_non_zero_with_the_reason():
+    # torchrun's variables, half set: a launcher misconfiguration.
+    out = _doctor("--json", RANK="0", MASTER_PORT="29500")
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["cluster"]["variables"] == {
+        "MASTER_PORT": "29500",
+        "RANK": "0",
+    }
+    assert any("WORLD_SIZE" in p for p in report["problems"])
