@@ -139,7 +139,7 @@ def test_predict_on_batch_returns_one_row_per_sample(replicas):
 # Item 6: compute_loss, train_step and test_step overrides.
 
 
-class _OpsLossModel(keras.Model):
+class OpsLossModel(keras.Model):
     """A compute_loss written with keras.ops (no Keras loss object)."""
 
     def compute_loss(
@@ -155,7 +155,7 @@ def _ops_loss_model(seed=0):
     inputs = keras.Input((3,))
     h = keras.layers.Dense(4, activation="tanh")(inputs)
     outputs = keras.layers.Dense(2)(h)
-    return _OpsLossModel(inputs, outputs)
+    return OpsLossModel(inputs, outputs)
 
 
 @pytest.mark.parametrize("replicas", REPLICAS)
@@ -179,7 +179,7 @@ def test_compute_loss_override_matches_one_device(replicas, n):
     )
 
 
-class _CustomTrainStep(keras.Model):
+class CustomTrainStep(keras.Model):
     def train_step(self, data):
         return super().train_step(data)
 
@@ -190,7 +190,7 @@ def test_train_step_override_is_refused_before_training():
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((3,))
-        return _CustomTrainStep(inputs, keras.layers.Dense(2)(inputs))
+        return CustomTrainStep(inputs, keras.layers.Dense(2)(inputs))
 
     with _strategy(2).scope():
         model = build()

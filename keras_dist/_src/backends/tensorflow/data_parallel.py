@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
@@ -37,7 +38,6 @@ from keras_dist._src.backends.tensorflow.inputs import (
     LOCAL_COUNT_KEY,
     DistributedIterable,
     distribute_global_batches,
-    without_count,
 )
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
@@ -169,31 +169,38 @@ class MirroredEngine(_EngineBase):
 
     def _install_steps(self, model) -> None:
         cls = type(model)
-        custom_loss = cls.compute_loss is not Trainer.compute_loss
         custom_train = cls.train_step is not TensorFlowTrainer.train_step
         custom_test = cls.test_step is not TensorFlowTrainer.test_step
         engine = self
 
-        if custom_loss or custom_train or custom_test:
-            self._warn(
-                f"Model {model.name!r} overrides train_step, test_step or "
-                "compute_loss: keras_dist runs it per replica as tf.distribute "
-                "does, so a loss it computes is a per-replica mean; shards of "
-                "unequal size (the last batch of an epoch) are then weighted "
-                "equally rather than by their size."
+        if custom_train or custom_test:
+            which = "train_step" if custom_train else "test_step"
+            message = (
+                f"Model {model.name!r} overrides {which}. keras_dist's "
+                "TensorFlow MirroredStrategy runs its own exact step (each "
+                "replica's loss weighted by its share of the global batch, "
+                "gradients summed before the optimizer) and cannot run an "
+                f"overridden {which} exactly: tf.distribute would run it per "
+                "replica, so its loss would be a mean of per-replica means "
+                "and clipping would see per-replica gradients. Override "
+                "`compute_loss` instead (keras_dist calls it exactly), or "
+                "use a custom training loop (keras_dist's `strategy.run`)."
             )
+
+            def refuse(force=False):
+                raise NotImplementedError(message)
+
+            if custom_train:
+                model.__dict__["make_train_function"] = refuse
+            if custom_test:
+                model.__dict__["make_test_function"] = refuse
 
         def make_train_function(force=False):
             if model.train_function is not None and not force:
                 return model.train_function
 
             def step(data):
-                return model.train_step(without_count(data))
-
-            if not (custom_loss or custom_train):
-
-                def step(data):
-                    return _exact_step(engine, model, data, training=True)
+                return _exact_step(engine, model, data, training=True)
 
             model.train_function = model._make_function(step)
             return model.train_function
@@ -203,15 +210,25 @@ class MirroredEngine(_EngineBase):
                 return model.test_function
 
             def step(data):
-                return model.test_step(without_count(data))
-
-            if not (custom_loss or custom_test):
-
-                def step(data):
-                    return _exact_step(engine, model, data, training=False)
+                return _exact_step(engine, model, data, training=False)
 
             model.test_function = model._make_function(step)
             return model.test_function
+
+        def make_predict_function(force=False):
+            if model.predict_function is not None and not force:
+                return model.predict_function
+            TensorFlowTrainer.make_predict_function(model, force=True)
+            inner = model.predict_function
+
+            def predict_function(data):
+                # `predict_on_batch` passes `[(x,)]` with the whole batch,
+                # which tf.distribute would hand to every replica (N times
+                # the rows): split it like a global batch first.
+                return inner([engine._distribute_batch(d) for d in data])
+
+            model.predict_function = predict_function
+            return predict_function
 
         def maybe_symbolic_build(iterator=None, data_batch=None):
             # Keras builds metrics and optimizer variables here, from shapes
@@ -225,11 +242,33 @@ class MirroredEngine(_EngineBase):
             with engine.tf_strategy.scope():
                 model._symbolic_build(data_batch=data_batch)
 
-        model.__dict__["make_train_function"] = make_train_function
-        model.__dict__["make_test_function"] = make_test_function
+        if not custom_train:
+            model.__dict__["make_train_function"] = make_train_function
+        if not custom_test:
+            model.__dict__["make_test_function"] = make_test_function
+        model.__dict__["make_predict_function"] = make_predict_function
+        model.predict_function = None
         model.__dict__["_maybe_symbolic_build"] = maybe_symbolic_build
         model.train_function = None
         model.test_function = None
+
+    def _distribute_batch(self, batch):
+        """Per-replica parts of a global `batch`; distributed input as is."""
+        leaves = tf.nest.flatten(batch)
+        if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
+            return batch
+        from keras_dist._src.core.shards import split_batch
+
+        batch = tree.map_structure(
+            lambda t: None if t is None else np.asarray(t), batch
+        )
+        parts = split_batch(batch, self.num_replicas_in_sync)
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: tree.map_structure(
+                lambda t: None if t is None else tf.convert_to_tensor(t),
+                parts[ctx.replica_id_in_sync_group],
+            )
+        )
 
     def _warn(self, message):
         if not self._warned:
@@ -280,7 +319,6 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
 def _exact_step(engine, model, data, training):
     """One replica's share of an exact global-batch step."""
     context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
     padded_input = isinstance(data, dict) and BATCH_KEY in data
     rebatched = padded_input and COUNT_PER_SAMPLE_KEY in data
     if rebatched:  # tf.distribute's rebatching; padding samples carry 0
@@ -303,7 +341,6 @@ def _exact_step(engine, model, data, training):
         global_count = context.all_reduce(
             tf.distribute.ReduceOp.SUM, tf.cast(rows, "float32")
         )
-    unpadded = (x, y, sample_weight)
     valid = None
     if padded_input:
         # An empty part arrives as one zero sample (see
@@ -317,60 +354,132 @@ def _exact_step(engine, model, data, training):
                 lambda w: None if w is None else w * expand_like(valid, w),
                 sample_weight,
             )
-        unpadded = tree.map_structure(
-            lambda t: None if t is None else t[:local_count],
-            (x, y, unpadded[2]),
-        )
-    share = tf.math.divide_no_nan(
-        tf.cast(rows, "float32") * replicas, global_count
-    )
     REPLICA_STATE.valid = valid
-
     with tf.GradientTape() as tape:
         kwargs = {"training": training} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
-        # Keras scales both parts by 1/replicas ("mean of means").
-        data_loss = None
-        if model._compile_loss is not None:
-            data_loss = model._compile_loss(y, y_pred, sample_weight)
-        extra = [model._aggregate_additional_loss(v) for v in model.losses]
-        if data_loss is None and not extra:
-            raise ValueError(
-                "No loss to compute. Provide a `loss` argument in `compile()`."
-            )
-        zero = tf.zeros((), dtype="float32")
-        data_loss = zero if data_loss is None else data_loss
-        extra_loss = tf.add_n(extra) if extra else tf.zeros_like(data_loss)
+    return _loss_step(
+        model,
+        tape,
+        training,
+        (x, y, sample_weight, y_pred),
+        local_count,
+        global_count,
+    )
+
+
+def _loss_step(model, tape, training, data, local_count, global_count):
+    """The loss, gradients, update and metrics of one replica's part.
+
+    `model.compute_loss` (Keras's, or the model's override) gets this
+    replica's real samples only (padding removed; an empty part keeps its
+    one zero sample, weighted 0), with Keras's per-replica 1/N loss
+    scaling switched off, so it returns the loss of its samples as it
+    would on one device: a mean over them for the usual losses. That loss,
+    weighted by the part's share of the global batch (local / global
+    count, the shares summing to 1), adds up across replicas to the loss
+    of the global batch, and so do the gradients.
+    """
+    context = tf.distribute.get_replica_context()
+    x, y, sample_weight, y_pred = data
+    rows = tf.maximum(local_count, 1)
+
+    def real(t):
+        return None if t is None else t[:rows]
+
+    if type(model).compute_loss is Trainer.compute_loss:
         _check_mean_reductions(model)
-        # Keras's loss is a mean over the part's rows, padding included;
-        # the tracker wants the mean over its real samples.
-        real_mean = data_loss * tf.math.divide_no_nan(
-            tf.cast(rows, data_loss.dtype),
-            tf.cast(local_count, data_loss.dtype),
+    with tape:  # the slicing too: the loss's gradient flows through it
+        x, y, sample_weight, y_pred = tree.map_structure(
+            real, (x, y, sample_weight, y_pred)
+        )
+        with _no_replica_loss_scaling(model, local_count):
+            loss = model.compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=training,
+            )
+        loss = tf.convert_to_tensor(loss)
+        weight = tf.math.divide_no_nan(
+            tf.cast(local_count, "float32"), global_count
         )
         model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(real_mean + extra_loss),
-            sample_weight=local_count,
+            tf.cast(loss, "float32"), sample_weight=local_count
         )
-        loss = data_loss * tf.cast(share, data_loss.dtype) + extra_loss
+        weighted = loss * tf.cast(weight, loss.dtype)
         if training and model.optimizer is not None:
-            loss = model.optimizer.scale_loss(loss)
-
+            weighted = model.optimizer.scale_loss(weighted)
     REPLICA_STATE.valid = None
     if training:
         if model.trainable_weights:
             weights = model.trainable_weights
-            gradients = tape.gradient(loss, weights)
+            gradients = tape.gradient(weighted, weights)
             apply_global_gradients(context, model.optimizer, gradients, weights)
         else:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
             )
     # Metrics see the real samples only (unweighted metrics ignore weights).
-    x, y, sample_weight = unpadded
-    if padded_input:
-        y_pred = tree.map_structure(lambda t: t[:local_count], y_pred)
+    x, y, sample_weight, y_pred = tree.map_structure(
+        lambda t: None if t is None else t[:local_count],
+        (x, y, sample_weight, y_pred),
+    )
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+class _no_replica_loss_scaling:
+    """One-device loss semantics while `compute_loss` runs.
+
+    Keras's losses divide by the replica count under tf.distribute
+    (`scale_loss_for_distribution`), and its per-output loss trackers
+    multiply back and weight each replica's value by its static batch size
+    (unknown in a traced step, so every replica weighs 1). Both are
+    switched off: the per-output trackers weigh each part's mean by its
+    real sample count instead.
+    """
+
+    def __init__(self, model, local_count):
+        self._model = model
+        self._local_count = local_count
+
+    def __enter__(self):
+        self._scale = loss_module.scale_loss_for_distribution
+        self._unscale = loss_module.unscale_loss_for_distribution
+        loss_module.scale_loss_for_distribution = _identity
+        loss_module.unscale_loss_for_distribution = _identity
+        self._patched = []
+        compile_loss = getattr(self._model, "_compile_loss", None)
+        for metric in getattr(compile_loss, "metrics", None) or []:
+            if metric is None:
+                continue
+            original = metric.update_state
+
+            def update_state(value, sample_weight=None, original=original):
+                return original(
+                    tf.cast(value, "float32"), sample_weight=self._local_count
+                )
+
+            self._patched.append(
+                (metric, metric.__dict__.get("update_state", _MISSING))
+            )
+            metric.__dict__["update_state"] = update_state
+        return self
+
+    def __exit__(self, *exc):
+        loss_module.scale_loss_for_distribution = self._scale
+        loss_module.unscale_loss_for_distribution = self._unscale
+        for metric, old in reversed(self._patched):
+            if old is _MISSING:
+                metric.__dict__.pop("update_state", None)
+            else:
+                metric.__dict__["update_state"] = old
+        return False
+
+
+def _identity(value):
+    return value
 
 
 def _check_input_shapes(model, x):
@@ -434,6 +543,9 @@ def apply_global_gradients(context, optimizer, gradients, weights):
     keeps them.
     """
     present = [i for i, g in enumerate(gradients) if g is not None]
+    if not present:  # Keras's optimizer raises its own error
+        optimizer.apply(gradients, weights)
+        return
     reduced = context.all_reduce(
         tf.distribute.ReduceOp.SUM, [gradients[i] for i in present]
     )
