@@ -124,6 +124,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume = None
         self._skipping = 0
         self._unskip = None
+        self._metrics_pending = False
 
     # -- fit begins: restore -----------------------------------------------
     def on_train_begin(self, logs=None):
@@ -196,7 +197,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 batches = list(data)
             else:
                 batches = [next(data) for _ in range(spe)]
-            if remaining[0] == calls - 1:
+            if remaining[0] == calls - 1 and self._metrics_pending:
                 self._restore_metrics(model, batches[0])
             return ({}, args[0]) if backend == "jax" else {}
 
@@ -204,8 +205,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._unskip = lambda: setattr(model, "train_function", original)
         model.train_function = skip
 
-    def _restore_metrics(self, model, batch):
+    def _restore_metrics(self, model, batch=None):
         """Restores the metrics' state of the interrupted epoch."""
+        self._metrics_pending = False
         metrics = getattr(model, "_compile_metrics", None)
         if metrics is not None and not metrics.built:
             # Keras on TensorFlow without a strategy builds compiled metrics
@@ -220,9 +222,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         resume = self._resume
         if resume is not None and epoch == resume["epoch"]:
             if resume["step"]:
-                # The shuffle of this epoch is drawn after this call; the
-                # metrics are restored in the first skipped step.
+                # The shuffle of this epoch is drawn after this call.
                 state.restore_rng(resume["epoch_rng"])
+                metrics = getattr(self.model, "_compile_metrics", None)
+                if metrics is None or metrics.built:
+                    self._restore_metrics(self.model)
+                else:  # built when the step is traced: see `_restore_metrics`
+                    self._metrics_pending = True
             else:
                 state.restore_rng(resume["rng"])
             if not self._skipping:
@@ -284,7 +290,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved = self._global_step
 
     def _check_preemption(self) -> None:
-        if self._agreement is None or not self.save_on_preemption:
+        if self._agreement is None or self.preempted:
+            return
+        if not self.save_on_preemption:
             return
         if not self._agreement.should_stop(self._global_step):
             return

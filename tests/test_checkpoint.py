@@ -1,0 +1,418 @@
+"""keras_dist.checkpoint and BackupAndRestore in one process.
+
+Format on disk, atomicity (partial writes invisible, damaged files
+skipped), keep-N, asynchronous saving, clear errors for another model, and
+exact resumption of an interrupted `fit` (mid-epoch, shuffled, with
+dropout) on the active backend, with and without a strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist
+from keras_dist import checkpoint
+from keras_dist.callbacks import PREEMPTION_EXIT_CODE, BackupAndRestore
+
+BACKEND = keras.backend.backend()
+
+
+def build(seed=3, units=8, dropout=0.3, strategy=None, name=None, eager=False):
+    """A small shuffled-and-dropout regression model, compiled (`eager`:
+    without compiling the step, for tests of the files only)."""
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    scope = strategy.scope() if strategy else contextlib.nullcontext()
+    with scope:
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(units, activation="tanh"),
+                keras.layers.Dropout(dropout),
+                keras.layers.Dense(2),
+            ],
+            name=name,
+        )
+        model.compile(
+            optimizer="adam", loss="mse", metrics=["mae"], run_eagerly=eager
+        )
+    return model
+
+
+def data(n=40):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 2)).astype("float32")
+    return x, y
+
+
+def values(variables):
+    return [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
+
+
+def state_of(model):
+    return (
+        values(model.variables)
+        + values(model.optimizer.variables)
+        + values(model.metrics_variables)
+    )
+
+
+def assert_same(a, b, rtol=0.0):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=0)
+
+
+class Crash(keras.callbacks.Callback):
+    """Raises after `at` training steps, like a process that dies."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == self.at:
+            raise RuntimeError("simulated crash")
+
+
+def trained(tmp_path, epochs=1):
+    model = build(eager=True)
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0)
+    return model
+
+
+# -- format and atomicity --
+def test_save_writes_a_complete_checkpoint(tmp_path):
+    model = trained(tmp_path)
+    path = checkpoint.save(model, tmp_path / "ck")
+    assert os.path.basename(path) == "ckpt-5"  # 40 samples / 8 = 5 steps
+    assert sorted(os.listdir(path)) == ["COMMIT", "arrays.npz", "metadata.json"]
+    with open(os.path.join(path, "metadata.json"), "rb") as f:
+        raw = f.read()
+    meta = json.loads(raw)
+    commit = json.loads(open(os.path.join(path, "COMMIT")).read())
+    assert commit["metadata_sha256"] == hashlib.sha256(raw).hexdigest()
+    digest = hashlib.sha256(
+        open(os.path.join(path, "arrays.npz"), "rb").read()
+    ).hexdigest()
+    assert meta["files"]["arrays.npz"]["sha256"] == digest
+    assert meta["versions"]["backend"] == BACKEND
+    assert meta["versions"]["keras"] == keras.__version__
+    assert meta["versions"]["keras_dist"] == keras_dist.__version__
+    assert meta["strategy"]["num_replicas_in_sync"] == 1
+    keys = {entry["key"] for entry in meta["arrays"]}
+    assert "model/sequential/dense/kernel" in keys
+    assert "optimizer/adam/iteration" in keys
+    assert "metrics/loss/total" in keys
+    assert "rng/numpy/keys" in keys
+    # No pickle anywhere: every array loads with allow_pickle=False.
+    with np.load(os.path.join(path, "arrays.npz"), allow_pickle=False) as z:
+        assert len(z.files) == len(meta["arrays"])
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".")]
+
+
+def test_restore_gives_back_every_variable(tmp_path):
+    model = trained(tmp_path)
+    checkpoint.save(model, tmp_path / "ck")
+    expected = state_of(model)
+    other = build(seed=9, eager=True)
+    x, y = data()
+    other.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    meta = checkpoint.restore(other, tmp_path / "ck")
+    assert meta["step"] == 5 and meta["path"].endswith("ckpt-5")
+    assert_same(state_of(other), expected)
+
+
+@pytest.mark.multi_device
+@pytest.mark.skipif(BACKEND == "torch", reason="one process per device")
+def test_restore_into_mirrored_model(tmp_path):
+    x, y = data()
+    model = build(dropout=0.0)
+    model.fit(x, y, batch_size=8, verbose=0)
+    checkpoint.save(model, tmp_path / "ck")
+    strategy = keras_dist.MirroredStrategy()
+    other = build(seed=9, dropout=0.0, strategy=strategy)
+    other.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    checkpoint.restore(other, tmp_path / "ck")
+    assert_same(values(other.variables), values(model.variables))
+    assert_same(
+        values(other.optimizer.variables), values(model.optimizer.variables)
+    )
+    # It still trains replicated, from the restored weights.
+    other.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert_same(
+        values(other.trainable_variables),
+        values(model.trainable_variables),
+        rtol=1e-5,
+    )
+
+
+def test_keep_last_n(tmp_path):
+    model = trained(tmp_path)
+    for step in (1, 2, 3, 4):
+        checkpoint.save(model, tmp_path / "ck", step=step, keep=2)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-3", "ckpt-4"]
+    assert checkpoint.latest(tmp_path / "ck").endswith("ckpt-4")
+
+
+def test_partial_writes_are_invisible(tmp_path):
+    model = trained(tmp_path)
+    root = tmp_path / "ck"
+    checkpoint.save(model, root, step=5)
+    # What a crash leaves: a temporary directory, and (on a filesystem
+    # without atomic rename) a final name without its COMMIT marker.
+    (root / ".ckpt-9.tmp-0123abcd").mkdir()
+    (root / ".ckpt-9.tmp-0123abcd" / "arrays.npz").write_bytes(b"PK")
+    checkpoint.save(model, root, step=8)
+    os.remove(root / "ckpt-8" / "COMMIT")
+    with pytest.warns(UserWarning) as record:
+        assert checkpoint.latest(root).endswith("ckpt-5")
+    text = " ".join(str(w.message) for w in record)
+    assert ".ckpt-9.tmp-0123abcd" in text and "ckpt-8" in text
+    with pytest.warns(UserWarning):
+        assert checkpoint.restore(build(), root)["step"] == 5
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_checkpoint_is_skipped(tmp_path, damage):
+    model = trained(tmp_path)
+    root = tmp_path / "ck"
+    checkpoint.save(model, root, step=1)
+    expected = state_of(model)
+    model.fit(*data(), batch_size=8, verbose=0)
+    checkpoint.save(model, root, step=2)
+    arrays = root / "ckpt-2" / "arrays.npz"
+    raw = bytearray(arrays.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw[len(raw) // 2] ^= 0xFF
+    arrays.write_bytes(bytes(raw))
+    fresh = build()
+    with pytest.warns(UserWarning, match="ckpt-2"):
+        meta = checkpoint.restore(fresh, root)
+    assert meta["step"] == 1
+    assert_same(values(fresh.variables), expected[: len(fresh.variables)])
+
+
+def test_other_model_is_refused_naming_the_variables(tmp_path):
+    checkpoint.save(trained(tmp_path), tmp_path / "ck")
+    wider = build(units=5, eager=True)
+    wider.fit(*data(16), batch_size=8, verbose=0)
+    with pytest.raises(checkpoint.CheckpointMismatchError) as info:
+        checkpoint.restore(wider, tmp_path / "ck")
+    message = str(info.value)
+    assert "model/sequential/dense/kernel" in message
+    assert "(4, 8)" in message and "(4, 5)" in message
+
+    keras.backend.clear_session()
+    deeper = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8),
+            keras.layers.Dense(3),
+            keras.layers.Dense(2),
+        ]
+    )
+    deeper.compile(optimizer="adam", loss="mse")
+    with pytest.raises(checkpoint.CheckpointMismatchError) as info:
+        checkpoint.restore(deeper, tmp_path / "ck")
+    assert "missing from the checkpoint" in str(info.value)
+    assert "dense_2/kernel" in str(info.value)
+
+
+def test_renamed_but_identical_model_matches_in_order(tmp_path):
+    model = trained(tmp_path)
+    checkpoint.save(model, tmp_path / "ck")
+    renamed = build(name="renamed")
+    with pytest.warns(UserWarning, match="in order"):
+        checkpoint.restore(renamed, tmp_path / "ck")
+    assert_same(values(renamed.variables), values(model.variables))
+
+
+def test_unbuilt_model_gets_a_clear_error(tmp_path):
+    checkpoint.save(trained(tmp_path), tmp_path / "ck")
+    keras.backend.clear_session()
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="not built"):
+        checkpoint.restore(unbuilt, tmp_path / "ck")
+
+
+def test_missing_checkpoint_raises(tmp_path):
+    with pytest.raises(checkpoint.CheckpointNotFoundError):
+        checkpoint.restore(trained(tmp_path), tmp_path / "nothing")
+    assert checkpoint.latest(tmp_path / "nothing") is None
+
+
+def test_async_save_copies_then_writes(tmp_path):
+    model = trained(tmp_path)
+    expected = state_of(model)
+    path = checkpoint.save(model, tmp_path / "ck", async_save=True)
+    # Training goes on while the write is in flight; the checkpoint holds
+    # the state at the time of the save.
+    model.fit(*data(), batch_size=8, verbose=0)
+    checkpoint.wait()
+    assert checkpoint.latest(tmp_path / "ck") == path
+    fresh = build()
+    checkpoint.restore(fresh, tmp_path / "ck")
+    assert_same(values(fresh.variables), expected[: len(fresh.variables)])
+
+
+def test_rng_states_are_restored(tmp_path):
+    model = trained(tmp_path)
+    import random
+
+    checkpoint.save(model, tmp_path / "ck")
+    expected = (random.random(), np.random.random())
+    checkpoint.restore(model, tmp_path / "ck")
+    assert (random.random(), np.random.random()) == expected
+
+
+# -- BackupAndRestore --
+def fit(model, callbacks, epochs=2, **kwargs):
+    x, y = data()
+    return model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=epochs,
+        shuffle=True,
+        verbose=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "crash_at, save_freq, spe",
+    [(7, 2, 1), (8, "epoch", 1), (8, 3, 2)],
+    ids=["mid-epoch", "epoch", "steps_per_execution"],
+)
+def test_interrupted_fit_resumes_exactly(tmp_path, crash_at, save_freq, spe):
+    backup = str(tmp_path / "backup")
+    reference = build()
+    reference.compile(
+        optimizer="adam", loss="mse", metrics=["mae"], steps_per_execution=spe
+    )
+    history = fit(reference, [])
+    expected = values(reference.variables)
+
+    model = build()
+    model.compile(
+        optimizer="adam", loss="mse", metrics=["mae"], steps_per_execution=spe
+    )
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(
+            model,
+            [
+                BackupAndRestore(backup, save_freq=save_freq),
+                Crash(crash_at // spe),
+            ],
+        )
+    assert checkpoint.latest(backup) is not None
+
+    model = build()
+    model.compile(
+        optimizer="adam", loss="mse", metrics=["mae"], steps_per_execution=spe
+    )
+    callback = BackupAndRestore(backup, save_freq=save_freq)
+    resumed = fit(model, [callback])
+    assert callback.restored_from is not None
+    assert_same(values(model.variables), expected, rtol=1e-6)
+    # The resumed epochs' logs (metrics restored mid-epoch) are the same.
+    n = len(resumed.history["loss"])
+    np.testing.assert_allclose(
+        resumed.history["loss"], history.history["loss"][-n:], rtol=1e-6
+    )
+    assert not os.path.exists(backup)  # removed once training finished
+
+
+@pytest.mark.multi_device
+@pytest.mark.skipif(BACKEND == "torch", reason="one process per device")
+def test_interrupted_mirrored_fit_resumes_exactly(tmp_path):
+    backup = str(tmp_path / "backup")
+    strategy = keras_dist.MirroredStrategy()
+    reference = build(strategy=strategy)
+    fit(reference, [])
+    model = build(strategy=strategy)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(model, [BackupAndRestore(backup, save_freq=3), Crash(7)])
+    model = build(strategy=strategy)
+    fit(model, [BackupAndRestore(backup, save_freq=4)])
+    assert_same(values(model.variables), values(reference.variables), rtol=1e-6)
+
+
+def test_signal_stops_fit_after_saving(tmp_path):
+    backup = str(tmp_path / "backup")
+    before = signal.getsignal(signal.SIGUSR1)
+
+    class Signal(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    callback = BackupAndRestore(
+        backup,
+        save_freq=False,
+        preemption_signals=(signal.SIGUSR1,),
+        exit_on_preemption=False,
+    )
+    model = build()
+    fit(model, [callback, Signal()])
+    assert callback.preempted
+    # Noticed after the next step (this callback runs after the signal).
+    assert checkpoint.latest(backup).endswith("ckpt-4")
+    meta = json.loads(
+        open(os.path.join(checkpoint.latest(backup), "metadata.json")).read()
+    )
+    assert meta["position"] == {
+        "epoch": 0,
+        "step_in_epoch": 4,
+        "global_step": 4,
+        "steps_per_epoch": 5,
+    }
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert PREEMPTION_EXIT_CODE == 75
+
+
+def test_failed_fit_does_not_swallow_signals(tmp_path):
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: received.append(s))
+    try:
+        with pytest.raises(RuntimeError):
+            fit(
+                build(),
+                [
+                    BackupAndRestore(
+                        str(tmp_path / "b"),
+                        preemption_signals=(signal.SIGUSR1,),
+                    ),
+                    Crash(2),
+                ],
+            )
+        # fit raised, so on_train_end never ran: a later signal must reach
+        # the handler that was there before.
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert received == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="save_freq"):
+        BackupAndRestore(str(tmp_path), save_freq=0)
+    with pytest.raises(ValueError, match="backup_dir"):
+        BackupAndRestore("")
