@@ -8,8 +8,9 @@ device in the chief's process (same seed, same initial weights):
   one device draws, and seeded and unseeded `Dropout` drop what one device
   drops (global masks), with an empty shard in the last batch;
 * the user's global generators end as plain Keras leaves them;
-* an overridden `train_step` (torch style) runs, exactly; an overridden
-  `compute_loss` is exact;
+* overridden `train_step` (torch style), `test_step` and `predict_step`
+  run, exactly; an overridden `compute_loss` is exact; weight and activity
+  regularizers (`add_loss` terms) are exact;
 * `model.save`/`save_weights` called on every rank write a valid file;
 * an exception raised in `fit` and caught by the script does not stop the
   job (the except branch runs on every rank, a second `fit` follows);
@@ -80,6 +81,17 @@ class CustomStep(keras.Sequential):
                 metric.update_state(loss)
         return {m.name: m.result() for m in self.metrics}
 
+    def test_step(self, data):
+        x, y = data
+        loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=False))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+    def predict_step(self, data):
+        return 2.0 * self(data, training=False) + 1.0
+
 
 class CustomLoss(keras.Sequential):
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
@@ -90,7 +102,12 @@ class CustomLoss(keras.Sequential):
 
 
 def small(cls):
-    return cls([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+    # Weight and activity regularizers: `add_loss` terms that are batch
+    # independent and a mean over the batch (exact under sharding).
+    return cls([keras.Input((6,)),
+                keras.layers.Dense(4, activation="tanh",
+                                   kernel_regularizer="l2",
+                                   activity_regularizer="l2"),
                 keras.layers.Dense(2)])
 
 
@@ -114,17 +131,22 @@ def train(case, in_scope):
     init = [w.copy() for w in model.get_weights()]
     model.fit(x, y, batch_size=7, epochs=2, verbose=0, **fit_kwargs)
     after = [int(torch.randint(0, 2**30, (1,))), int(np.random.randint(2**30))]
-    return init, model.get_weights(), after
+    # Equal shards (8 = 4 + 4): a per-rank mean of the loss is exact too.
+    loss = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    pred = model.predict(x, batch_size=7, verbose=0)
+    return init, model.get_weights() + [pred], after, loss["loss"]
 
 
 for case in CASES:
     if rank == 0:
-        ref_init, ref, ref_after = train(case, in_scope=False)
-    init, got, after = train(case, in_scope=True)
+        ref_init, ref, ref_after, ref_loss = train(case, in_scope=False)
+    init, got, after, loss = train(case, in_scope=True)
     if rank == 0:
         result[case] = {
             "init": rel(ref_init, init),
-            "weights": rel(ref, got),
+            "weights": rel(ref[:-1], got[:-1]),
+            "predict": rel(ref[-1:], got[-1:]),
+            "evaluate": abs(loss - ref_loss) / abs(ref_loss),
             "generators_as_plain_keras": after == ref_after,
         }
     result[case + "_generators"] = after
@@ -184,7 +206,8 @@ def test_torch_training_features(tmp_path):
     chief = ranks[0]
     for case in ("shuffle_dropout", "train_step", "compute_loss"):
         assert chief[case]["init"] == 0.0, case
-        assert chief[case]["weights"] <= 1e-5, (case, chief[case])
+        for key in ("weights", "predict", "evaluate"):
+            assert chief[case][key] <= 1e-5, (case, key, chief[case])
         assert chief[case]["generators_as_plain_keras"], case
         # Every rank drew what the chief drew.
         assert ranks[1][case + "_generators"] == chief[case + "_generators"]
