@@ -4,9 +4,14 @@ Build and compile a model inside ``strategy.scope()``; ``fit``, ``evaluate``
 and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 """
 
+from keras_dist._src import quiet as _quiet  # noqa: F401  # isort: skip
 from keras_dist import callbacks, checkpoint
 from keras_dist._src.api import _apply_env as _apply_env
 from keras_dist._src.api import list_devices, simulate_cpu_devices
+from keras_dist._src.cluster.environments import (
+    ClusterConfigError,
+    ClusterEnvironment,
+)
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
     KerasDistError,
@@ -17,6 +22,7 @@ from keras_dist._src.errors import (
 from keras_dist._src.options import InputOptions, ShardPolicy
 from keras_dist._src.strategies import (
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     available_strategies,
     strategy_from_name,
@@ -27,6 +33,9 @@ from keras_dist._src.values import PerReplica, ReduceOp
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterConfigError",
+    "ClusterEnvironment",
+    "MultiWorkerMirroredStrategy",
     "DevicesAlreadyInitializedError",
     "InputOptions",
     "KerasDistError",

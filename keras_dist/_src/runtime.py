@@ -97,7 +97,7 @@ class HostRuntime:
         """Whether this is process 0 (it prints and writes files)."""
         return self.rank == 0
 
-    # -- public collectives ----------------------------------------------------
+    # -- public collectives ---------------------------------------------------
     def barrier(self, name: str = "barrier") -> None:
         """Returns once every process has called `barrier`."""
         del name
@@ -175,7 +175,7 @@ class HostRuntime:
                 f"root {root} is outside 0..{self.world_size - 1}."
             )
 
-    # -- primitives --------------------------------------------------------------
+    # -- primitives ----------------------------------------------------------
     def _barrier(self) -> None:
         raise NotImplementedError
 

@@ -10,7 +10,7 @@ from keras import tree
 from keras_dist._src import backends as backend_lib
 from keras_dist._src import context
 from keras_dist._src.cluster.environments import ClusterEnvironment
-from keras_dist._src.devices import check_devices_exist
+from keras_dist._src.devices import check_devices_exist, normalize_device
 from keras_dist._src.errors import StrategyMixingError
 from keras_dist._src.keras_glue import hook
 from keras_dist._src.options import InputOptions
@@ -32,7 +32,8 @@ class Strategy:
     step functions, input distribution). Subclasses choose the kind.
 
     Args:
-        devices: device names such as ``["gpu:0", "gpu:1"]``.
+        devices: device names such as ``["gpu:0", "gpu:1"]``; None for the
+            backend's default devices (every device, on every worker).
         sync_batch_norm: whether BatchNormalization uses the statistics of
             the global batch (default, so results match one device) or of each
             replica's shard.
@@ -46,7 +47,7 @@ class Strategy:
 
     def __init__(
         self,
-        devices: Sequence[str],
+        devices: Sequence[str] | None,
         sync_batch_norm: bool = True,
         input_options: InputOptions | None = None,
         environment: ClusterEnvironment | None = None,
@@ -60,13 +61,17 @@ class Strategy:
                 f"{input_options!r}."
             )
         module = backend_lib.get()
+        if devices is not None:
+            devices = [normalize_device(d) for d in devices]
+        # The runtime first: joining a job (jax.distributed.initialize) must
+        # happen before the backend lists its devices.
+        self._runtime = module.create_runtime(self.kind, devices, environment)
+        if devices is None:
+            devices = module.default_devices()
         available = module.list_devices()
         self._devices = tuple(check_devices_exist(devices, available))
         self._sync_batch_norm = bool(sync_batch_norm)
         self._input_options = input_options
-        self._runtime = module.create_runtime(
-            self.kind, self._devices, environment
-        )
         self._engine = module.create_engine(
             self.kind,
             self._devices,

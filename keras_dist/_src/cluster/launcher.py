@@ -11,7 +11,6 @@ parent dies.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess

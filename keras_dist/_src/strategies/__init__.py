@@ -4,12 +4,16 @@ aliases."""
 from __future__ import annotations
 
 from keras_dist._src.strategies.mirrored import MirroredStrategy
+from keras_dist._src.strategies.multi_worker import (
+    MultiWorkerMirroredStrategy,
+)
 from keras_dist._src.strategies.one_device import OneDeviceStrategy
 from keras_dist._src.strategy import Strategy
 
 _REGISTRY = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
+    "multi_worker_mirrored": MultiWorkerMirroredStrategy,
 }
 _ALIASES = {
     "single_device": "one_device",
@@ -17,6 +21,8 @@ _ALIASES = {
     "default": "one_device",
     "data_parallel": "mirrored",
     "dp": "mirrored",
+    "multi_worker": "multi_worker_mirrored",
+    "multiworker": "multi_worker_mirrored",
 }
 
 

@@ -104,6 +104,9 @@ class OneDeviceEngine:
 class MirroredEngine:
     """Replicated variables, batch-sharded data, one jitted SPMD step."""
 
+    # Predictions stay batch-sharded (one process reads every shard).
+    predict_out_shardings = None
+
     def __init__(self, devices, sync_batch_norm: bool):
         self.sync_batch_norm = bool(sync_batch_norm)
         self.devices = tuple(devices)
@@ -353,7 +356,7 @@ class _StepFunctions:
             outputs, non_trainable = model.predict_step(state, data)
             return outputs, (state[0], non_trainable)
 
-        step = self._compile(predict_step, None)
+        step = self._compile(predict_step, self.engine.predict_out_shardings)
         model.predict_function = self._wrap(step, concatenate_outputs=True)
         return model.predict_function
 
@@ -363,8 +366,12 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
 
     One device needs no mesh at all (Keras's own step, placed on it).
     """
-    del kind, runtime
     devices = [normalize_device(d) for d in devices]
+    if kind == "multi_worker" and runtime.world_size > 1:
+        from keras_dist._src.backends.jax.multi_worker import MultiWorkerEngine
+
+        return MultiWorkerEngine(devices, sync_batch_norm, runtime)
+    del kind, runtime
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])
     # One worker (this process): every shard policy reads the whole input.

@@ -167,6 +167,7 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         )
         return _job
     children = {}
+    explicit = environment is not None
     if environment is None:
         environment = detect_environment()
     if not environment.is_distributed:
@@ -192,7 +193,12 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         )
     rank, world = environment.rank, environment.world_size
     local = environment.local_rank
-    if world > 1 and len(devices) > 1 and world != len(devices):
+    if (
+        world > 1
+        and len(devices) > 1
+        and world != len(devices)
+        and not (explicit)
+    ):
         supervision.log(
             f"rank {rank}: {len(devices)} devices were requested but the job "
             f"has {world} ranks (WORLD_SIZE); using one rank per process."
@@ -296,6 +302,10 @@ def create_runtime(kind, devices, environment=None):
     one-device mirrored strategy outside a launched job; otherwise this
     process joins (or starts) the job and gets a `TorchRuntime`.
     """
+    if devices is None:
+        from keras_dist._src.backends.torch.devices import default_devices
+
+        devices = default_devices()
     kinds = {d.split(":")[0] for d in devices}
     if len(kinds) != 1 or kinds - {"cpu", "gpu"}:
         raise ValueError(

@@ -1,0 +1,221 @@
+"""``keras-dist launch``: start the workers of this node, like torchrun.
+
+Every worker gets torchrun's variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
+which keras_dist reads on every backend; a TensorFlow job on one node also
+gets the ``TF_CONFIG`` tf.distribute needs. Output lines are prefixed with
+the worker's rank, SIGINT and SIGTERM are forwarded to every worker, and
+the first worker that fails stops the others: the launcher then exits with
+that worker's code (so a preemption's exit code reaches the scheduler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from keras_dist._src.cluster.launcher import ENV_LAUNCHED, free_port
+from keras_dist._src.cluster.supervision import describe_exit, log
+
+#: Seconds between SIGTERM and SIGKILL when the launcher stops workers.
+STOP_GRACE_S = 10.0
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """What `launch` starts (the command-line options of ``keras-dist
+    launch``)."""
+
+    command: list
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    cpu_devices_per_process: int | None = None
+
+    def check(self) -> None:
+        """Raises ValueError for options that cannot start a job."""
+        if not self.command:
+            raise ValueError("Give the script to run: keras-dist launch ...")
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ValueError("--nproc-per-node and --nnodes must be >= 1.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}."
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError(
+                "--master-port is needed with --nnodes > 1: every node must "
+                "use the same port on the master (node 0)."
+            )
+
+
+def worker_environments(config: LaunchConfig, base=None) -> list[dict]:
+    """The environment of each local worker (without starting any)."""
+    base = dict(os.environ if base is None else base)
+    port = config.master_port or free_port(config.master_addr)
+    world = config.nnodes * config.nproc_per_node
+    tf_config = None
+    if base.get("KERAS_BACKEND") == "tensorflow" and config.nnodes == 1:
+        # tf.distribute's workers each serve on an address of their own.
+        addresses = [
+            f"{config.master_addr}:{free_port(config.master_addr)}"
+            for _ in range(world)
+        ]
+        tf_config = addresses
+    threads = max(1, (os.cpu_count() or 1) // config.nproc_per_node)
+    envs = []
+    for local in range(config.nproc_per_node):
+        rank = config.node_rank * config.nproc_per_node + local
+        env = dict(base)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+            MASTER_ADDR=config.master_addr,
+            MASTER_PORT=str(port),
+            PYTHONUNBUFFERED="1",
+            **{ENV_LAUNCHED: str(os.getpid())},
+        )
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        if config.cpu_devices_per_process:
+            env["KERAS_DIST_CPU_DEVICES"] = str(config.cpu_devices_per_process)
+        if tf_config is not None:
+            env["TF_CONFIG"] = json.dumps(
+                {
+                    "cluster": {"worker": tf_config},
+                    "task": {"type": "worker", "index": rank},
+                }
+            )
+        envs.append(env)
+    return envs
+
+
+def _pump(stream, rank: int, out) -> None:
+    prefix = f"[rank {rank}] "
+    for line in iter(stream.readline, ""):
+        out.write(prefix + line)
+        out.flush()
+    stream.close()
+
+
+def launch(config: LaunchConfig) -> int:
+    """Starts this node's workers, supervises them and returns the exit
+    code: 0 when all succeed, else the first failure's code."""
+    config.check()
+    command = list(config.command)
+    if command[0].endswith(".py"):
+        command = [sys.executable, "-u"] + command
+    procs, pumps = {}, []
+    stop = threading.Event()
+    forwarded = []
+
+    def forward(signum, frame):
+        del frame
+        forwarded.append(signum)
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {
+        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        for env in worker_environments(config):
+            rank = int(env["RANK"])
+            proc = subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
+            procs[rank] = proc
+            pump = threading.Thread(
+                target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True
+            )
+            pump.start()
+            pumps.append(pump)
+        code = _supervise(procs, stop)
+    finally:
+        _stop_all(procs)
+        for pump in pumps:
+            pump.join(5.0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code
+
+
+def _supervise(procs: dict, stop: threading.Event) -> int:
+    while not stop.is_set():
+        running = False
+        for rank, proc in procs.items():
+            code = proc.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                log(
+                    f"worker rank {rank} {describe_exit(code)}; stopping "
+                    "the other workers of this node."
+                )
+                _stop_all(procs)
+                return code if code > 0 else 128 - code
+        if not running:
+            return 0
+        time.sleep(0.2)
+    return 1
+
+
+def _stop_all(procs: dict, grace: float = STOP_GRACE_S) -> None:
+    live = [p for p in procs.values() if p.poll() is None]
+    for proc in live:
+        proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def add_arguments(parser) -> None:
+    """Adds ``keras-dist launch``'s options to an argparse parser."""
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=None)
+    parser.add_argument(
+        "--cpu-devices-per-process",
+        type=int,
+        default=None,
+        help="simulate this many CPU devices in each worker (JAX, TF)",
+    )
+    parser.add_argument("script", help="the training script (or program)")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="its arguments"
+    )
+
+
+def config_from_args(args) -> LaunchConfig:
+    """A `LaunchConfig` from parsed ``keras-dist launch`` arguments."""
+    return LaunchConfig(
+        command=[args.script, *args.script_args],
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        cpu_devices_per_process=args.cpu_devices_per_process,
+    )

@@ -1,0 +1,82 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism over hosts."""
+
+from __future__ import annotations
+
+from keras_dist._src.cluster.environments import (
+    ClusterEnvironment,
+    detect_environment,
+)
+from keras_dist._src.options import InputOptions
+from keras_dist._src.strategy import Strategy
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over every device of every worker.
+
+    The same script runs on each worker (started by ``keras-dist launch``,
+    torchrun, SLURM's ``srun``, ``mpirun``, or by hand with ``TF_CONFIG``).
+    Variables are mirrored on every device of every worker (the chief's
+    initial values are broadcast, so workers need not seed alike), each
+    global batch is split across all replicas and gradients are all-reduced
+    by the backend's own engine: `jax.distributed` on JAX,
+    `torch.distributed` on torch. With no cluster settings it is a
+    one-worker strategy over the local devices, as in tf.distribute.
+
+    Args:
+        cluster_resolver: where this process stands in the job: a
+            `keras_dist.ClusterEnvironment` (or a tf.distribute cluster
+            resolver); read from the launcher's variables when None.
+        sync_batch_norm: global-batch BatchNormalization statistics
+            (default) or per-replica ones.
+        input_options: an `InputOptions`: how input is sharded between
+            workers.
+
+    Raises:
+        ClusterConfigError: when the launcher's variables are incomplete or
+            contradict each other.
+    """
+
+    kind = "multi_worker"
+
+    def __init__(
+        self,
+        cluster_resolver=None,
+        sync_batch_norm: bool = True,
+        input_options: InputOptions | None = None,
+    ):
+        environment = _environment_from(cluster_resolver)
+        # None: the backend's default devices, listed once this process has
+        # joined the job (on torch, where a process drives one device, the
+        # backend picks this process's by its local rank).
+        super().__init__(
+            None,
+            sync_batch_norm=sync_batch_norm,
+            input_options=input_options,
+            environment=environment,
+        )
+
+    def __repr__(self):
+        return (
+            f"MultiWorkerMirroredStrategy(worker={self.worker_index}/"
+            f"{self.num_workers}, replicas={self.num_replicas_in_sync})"
+        )
+
+
+def _environment_from(resolver) -> ClusterEnvironment:
+    if resolver is None:
+        return detect_environment()
+    if isinstance(resolver, ClusterEnvironment):
+        return resolver
+    if hasattr(resolver, "cluster_spec") and hasattr(resolver, "task_type"):
+        import json
+
+        spec = resolver.cluster_spec().as_dict()
+        config = {
+            "cluster": spec,
+            "task": {"type": resolver.task_type, "index": resolver.task_id},
+        }
+        return detect_environment({"TF_CONFIG": json.dumps(config)})
+    raise TypeError(
+        "cluster_resolver must be a keras_dist.ClusterEnvironment or a "
+        f"tf.distribute cluster resolver; got {type(resolver).__name__}."
+    )

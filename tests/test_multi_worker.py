@@ -1,0 +1,134 @@
+"""MultiWorkerMirroredStrategy with 2 real worker processes on localhost,
+started by ``keras-dist launch`` (python -m keras_dist.launch), against
+plain Keras on one device from the same initial weights."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from tests.utils import max_relative_difference
+
+BACKEND = keras.backend.backend()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
+
+pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
+
+if BACKEND == "tensorflow":
+    pytest.skip(
+        "MultiWorkerMirroredStrategy over several TensorFlow processes is "
+        "not implemented yet (issue #10)",
+        allow_module_level=True,
+    )
+
+
+def _build():
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+def _data():
+    rng = np.random.default_rng(0)  # as in examples/multi_worker.py
+    x = rng.normal(size=(200, 8)).astype("float32")
+    y = (x[:, :2].sum(axis=1) > 0).astype("int32")
+    return x, y
+
+
+def _launch(args, tmp_path, timeout=300):
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, OMP_NUM_THREADS="1")
+    env.pop("KERAS_DIST_CPU_DEVICES", None)
+    env.pop("XLA_FLAGS", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_dist.launch", *map(str, args)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "devices_per_worker", [1, 2] if BACKEND == "jax" else [1]
+)
+def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
+    keras.utils.set_random_seed(7)
+    model = _build()
+    np.savez(tmp_path / "init.npz", *model.get_weights())
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    x, y = _data()
+    # 200 samples / 30: the last batch (20) does not divide by 4 replicas.
+    history = model.fit(x, y, batch_size=30, epochs=3, shuffle=False, verbose=0)
+    expected_eval = model.evaluate(x, y, batch_size=50, verbose=0)
+
+    args = ["--nproc-per-node", 2]
+    if devices_per_worker > 1:
+        args += ["--cpu-devices-per-process", devices_per_worker]
+    args += [EXAMPLE, "--init", tmp_path / "init.npz", "--batch-size", 30]
+    args += ["--out", tmp_path / "out"]
+    proc, _ = _launch(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    replicas = 2 * devices_per_worker
+    assert f"workers=2 replicas={replicas}" in proc.stdout
+    # Only the chief prints progress.
+    assert "[rank 0] Epoch 1/3" in proc.stdout
+    assert "[rank 1] Epoch" not in proc.stdout
+    saved = np.load(tmp_path / "out" / "weights.npz")
+    weights = [saved[k] for k in saved.files]
+    assert max_relative_difference(model.get_weights(), weights) <= 1e-5
+    logs = json.loads((tmp_path / "out" / "history.json").read_text())
+    np.testing.assert_allclose(
+        logs["history"]["loss"], history.history["loss"], rtol=1e-5
+    )
+    np.testing.assert_allclose(logs["evaluate"], expected_eval, rtol=1e-5)
+
+
+KILLED = """
+import os, signal, sys
+import keras, numpy as np
+import keras_dist
+
+strategy = keras_dist.MultiWorkerMirroredStrategy()
+
+
+class Die(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if strategy.worker_index == 1 and batch == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.zeros((64, 4), "float32")
+model.fit(x, x[:, :1], batch_size=4, epochs=50, verbose=0, callbacks=[Die()])
+print("finished", flush=True)
+"""
+
+
+def test_killed_worker_stops_the_job(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    proc, seconds = _launch(["--nproc-per-node", 2, script], tmp_path)
+    assert proc.returncode != 0
+    assert "finished" not in proc.stdout
+    assert "worker rank 1 was killed by SIGKILL" in proc.stderr
+    assert seconds < 120
