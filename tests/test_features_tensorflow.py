@@ -200,3 +200,85 @@ def test_train_step_override_is_refused_before_training():
         model.fit(x, y, batch_size=5, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+# Item 2: mixed_float16 with BatchNormalization.
+
+
+def _bn_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    # No bias before BatchNormalization: its gradient is 0 up to rounding
+    # noise, which a relative comparison would magnify.
+    h = keras.layers.Dense(4, use_bias=False)(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("tanh")(h)
+    outputs = keras.layers.Dense(2, dtype="float32")(h)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+def test_mixed_float16_batch_norm_matches_one_device(replicas):
+    x, y = _data()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        plain, dist = _pair(
+            replicas,
+            _bn_model,
+            lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+        )
+        h1, h2 = _fit_both(plain, dist, x, y)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert np.all(np.isfinite(h2["loss"]))
+    assert float(dist.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy()
+    )
+    # float16 rounds at ~2**-11 relative; summing a batch in another order
+    # (shards, all-reduce) flips some roundings (same bound as the matrix).
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 3e-3
+    )
+    _assert_logs_close(h1, h2, rtol=3e-3)
+
+
+# Item 9: per-output losses and add_loss after BatchNormalization in the
+# logs, with batches that do not divide by the replica count.
+
+
+def _two_output_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    # No bias before BatchNormalization: its gradient is 0 up to rounding
+    # noise, which a relative comparison would magnify.
+    h = keras.layers.Dense(4, use_bias=False)(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ActivityRegularization(l2=0.1)(h)
+    h = keras.layers.Activation("tanh")(h)
+    a = keras.layers.Dense(2, name="a")(h)
+    b = keras.layers.Dense(1, name="b")(h)
+    return keras.Model(inputs, {"a": a, "b": b})
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+def test_per_output_losses_logged_exactly(replicas):
+    x, y = _data()
+    ys = {"a": y, "b": y[:, :1] * 2.0}
+    plain, dist = _pair(
+        replicas,
+        _two_output_model,
+        lambda: {
+            "optimizer": keras.optimizers.SGD(0.1),
+            "loss": {"a": "mse", "b": "mae"},
+        },
+    )
+    h1, h2 = _fit_both(plain, dist, x, ys)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+    e1 = plain.evaluate(x, ys, batch_size=4, verbose=0, return_dict=True)
+    e2 = dist.evaluate(x, ys, batch_size=4, verbose=0, return_dict=True)
+    assert e1.keys() == e2.keys()
+    for key in e1:
+        np.testing.assert_allclose(e2[key], e1[key], rtol=1e-5, err_msg=key)

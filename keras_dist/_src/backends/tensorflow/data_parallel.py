@@ -202,7 +202,7 @@ class MirroredEngine(_EngineBase):
             def step(data):
                 return _exact_step(engine, model, data, training=True)
 
-            model.train_function = model._make_function(step)
+            model.train_function = _make_function(model, step)
             return model.train_function
 
         def make_test_function(force=False):
@@ -212,7 +212,7 @@ class MirroredEngine(_EngineBase):
             def step(data):
                 return _exact_step(engine, model, data, training=False)
 
-            model.test_function = model._make_function(step)
+            model.test_function = _make_function(model, step)
             return model.test_function
 
         def make_predict_function(force=False):
@@ -274,6 +274,48 @@ class MirroredEngine(_EngineBase):
         if not self._warned:
             self._warned = True
             warnings.warn(message, stacklevel=4)
+
+
+def _make_function(model, step):
+    """Keras's step function; with `steps_per_execution` > 1, one traced
+    step called that many times.
+
+    Keras runs several steps in one `tf.while_loop` whose body reads the
+    next input with `get_next_as_optional` inside a `tf.cond`; with a
+    distributed iterator of tf.distribute's rebatched input the traced
+    graph leaves a placeholder unfed ("You must feed a value for
+    placeholder tensor 'while/cond/Placeholder'"). Here each step is its
+    own call (a host round trip per step instead of per execution).
+    """
+    executions = model.steps_per_execution
+    if executions <= 1:
+        return model._make_function(step)
+    traced = model._make_function(step)
+
+    def single(iterator):
+        # Keras reads `steps_per_execution` when it traces the function.
+        model.steps_per_execution = 1
+        try:
+            return traced(iterator)
+        finally:
+            model.steps_per_execution = executions
+
+    def function(iterator):
+        if not isinstance(
+            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+        ):  # train_on_batch and test_on_batch: one batch
+            return single(iterator)
+        outputs = None
+        for _ in range(executions):
+            try:
+                outputs = single(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if outputs is None:
+                    raise
+                break
+        return outputs
+
+    return function
 
 
 _strategies_created = 0
