@@ -371,6 +371,7 @@ class StepFunctions:
         self._in_step = False
         self.custom = {}
         self._check_weights_agree = False
+        self._stand_in = None
 
     def install(self) -> None:
         """Replaces the model's step-function factories and its metric
@@ -611,6 +612,14 @@ class StepFunctions:
         engine = self.engine
         offset = engine.shard_offset
         if offset is None:
+            # FILE/OFF: a rank that has run out of batches gets an empty one;
+            # it runs the step on a stand-in (its last batch's first sample)
+            # that counts for nothing, as below.
+            if n_local > 0:
+                self._stand_in = _slice(data, 0, 1)
+            elif self._stand_in is not None:
+                engine.phantom_shard = True
+                return self._stand_in, 0, n_global
             return data, n_local, n_global
         if n_local == 0:
             # An empty shard: the user's step may not handle an empty batch
@@ -686,12 +695,34 @@ class StepFunctions:
                 else:
                     optimizer.__dict__["apply"] = original
 
-    def _merge_logs(self, logs):
-        """The user's step's logs, with metric values summed over ranks."""
+    def _merge_logs(self, logs, local):
+        """The user's step's logs, where a value is a metric's (local)
+        result, replaced by that metric's result summed over ranks.
+
+        Args:
+            logs: what the user's step returned.
+            local: this rank's metric results right after the step.
+        """
+        if not isinstance(logs, dict):
+            return logs
         synced = self._local_metrics_result()
-        if isinstance(logs, dict):
-            return {k: synced.get(k, v) for k, v in logs.items()}
-        return logs
+
+        def pick(key, value):
+            mine = local.get(key)
+            if mine is None or key not in synced:
+                return value
+            try:
+                same = bool(
+                    torch.equal(
+                        torch.as_tensor(value).detach().cpu(),
+                        torch.as_tensor(mine).detach().cpu(),
+                    )
+                )
+            except (TypeError, RuntimeError, ValueError):
+                same = False
+            return synced[key] if same else value
+
+        return {key: pick(key, value) for key, value in logs.items()}
 
     def _restore_metrics(self, snapshot) -> None:
         """Undoes the metric updates of a step on an empty shard."""
@@ -727,6 +758,7 @@ class StepFunctions:
                     logs = model.train_step(local)
         finally:
             self.engine.phantom_shard = False
+        local_results = self._local_metrics_result()
         if n_local == 0:
             self._restore_metrics(own)
         if not self.engine.sync_batch_norm:
@@ -735,7 +767,7 @@ class StepFunctions:
             self._check_weights_agree = False
             self._check_replicas_agree()
         self._metrics_after_step(before)
-        return self._merge_logs(logs)
+        return self._merge_logs(logs, local_results)
 
     def _check_replicas_agree(self) -> None:
         """After the first step of an overridden `train_step`: raises if the
@@ -805,10 +837,11 @@ class StepFunctions:
                 logs = model.test_step(local)
             finally:
                 self.engine.phantom_shard = False
+            local_results = self._local_metrics_result()
             if n_local == 0:
                 self._restore_metrics(own)
             self._metrics_after_step(before)
-            return self._merge_logs(logs)
+            return self._merge_logs(logs, local_results)
         x, y, sample_weight, n_local, _ = self._shard(data)
         before = self._metrics_before_step()
         y_pred = self._call(model, x, training=False)
