@@ -13,7 +13,7 @@ VENV="${KERAS_DIST_VENV:-.venv}"
 status=0
 for backend in jax tensorflow torch; do
   echo "=== KERAS_BACKEND=$backend ==="
-  KERAS_BACKEND="$backend" "$VENV/bin/python" -m pytest -q tests
+  KERAS_BACKEND="$backend" "$VENV/bin/python" -m pytest -q --durations=15 tests
   rc=$?
   # 5 means "no tests collected", which is not a failure of that backend.
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi

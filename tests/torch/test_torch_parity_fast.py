@@ -1,0 +1,100 @@
+"""The fast loop's torch parity test: 2 gloo processes against one device.
+
+One script run whose strategy starts 2 ranks (``cpu:0``, ``cpu:1``); the
+one-device reference is plain Keras trained here, in the test process, from
+the same initial weights. 83 samples in global batches of 16 (the last one
+of 3 splits 2/1), 4 epochs: 24 steps. The thorough multi-process tests (2
+and 4 ranks, failures, every input type) are in test_torch_multiprocess.py
+and test_torch_inputs.py, marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "torch":
+    pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
+
+from tests.utils import (  # noqa: E402
+    build_model,
+    compile_model,
+    make_data,
+    max_relative_difference,
+    run_torch_script,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+N, BATCH, EPOCHS = 83, 16, 4
+
+SCRIPT = f"""
+import json, os
+import numpy as np
+import keras, keras_dist
+from tests.utils import build_model, compile_model, make_data
+
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+rank = int(os.environ.get("RANK", 0))
+with strategy.scope():
+    model = build_model(seed=rank)  # rank 0's weights are broadcast
+    compile_model(model)
+if rank == 0:
+    np.savez("init.npz", *model.get_weights())
+x, y, sw = make_data({N})
+history = model.fit(x, y, sample_weight=sw, batch_size={BATCH},
+                    epochs={EPOCHS}, shuffle=False, verbose=0)
+evaluation = model.evaluate(x, y, sample_weight=sw, batch_size=7,
+                            verbose=0, return_dict=True)
+np.savez(f"weights{{rank}}.npz", *model.get_weights())
+with open(f"logs{{rank}}.json", "w") as f:
+    json.dump({{"history": history.history, "evaluate": evaluation}}, f)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.fast
+def test_two_ranks_match_one_device(tmp_path):
+    proc, _ = run_torch_script(
+        tmp_path,
+        SCRIPT,
+        timeout=600,
+        env={"KERAS_DIST_CPU_DEVICES": "2", "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    init = np.load(tmp_path / "init.npz")
+    model = build_model()
+    model.set_weights([init[k] for k in init.files])
+    compile_model(model)
+    x, y, sw = make_data(N)
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
+    evaluation = model.evaluate(
+        x, y, sample_weight=sw, batch_size=7, verbose=0, return_dict=True
+    )
+    reference = model.get_weights()
+
+    for rank in (0, 1):
+        weights = np.load(tmp_path / f"weights{rank}.npz")
+        weights = [weights[k] for k in weights.files]
+        assert max_relative_difference(reference, weights) <= 1e-5, rank
+        logs = json.loads((tmp_path / f"logs{rank}.json").read_text())
+        for key, values in history.history.items():
+            np.testing.assert_allclose(
+                logs["history"][key], values, rtol=1e-5, err_msg=key
+            )
+        for key, value in evaluation.items():
+            np.testing.assert_allclose(
+                logs["evaluate"][key], value, rtol=1e-5, err_msg=key
+            )
