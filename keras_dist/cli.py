@@ -96,7 +96,16 @@ def _cluster() -> dict:
 
 
 # -- all-reduce checks, one a backend ------------------------------------------
-def _all_reduce_jax(devices: list[str]) -> float:
+# Each returns (result, expected, what it reduced over).
+def _triangle(n: int) -> float:
+    return float(n * (n + 1) // 2)  # 1 + 2 + ... + n
+
+
+def _over(devices: list[str]) -> str:
+    return f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
+
+
+def _all_reduce_jax(devices: list[str]) -> tuple[float, float, str]:
     """Sum of 1..N over an array sharded on a `Mesh` of `devices`."""
     import jax
     import jax.numpy as jnp
@@ -119,10 +128,10 @@ def _all_reduce_jax(devices: list[str]) -> float:
     shards = {float(s.data) for s in result.addressable_shards}
     if len(shards) != 1:
         raise RuntimeError(f"the devices disagree on the sum: {shards}")
-    return float(result)
+    return float(result), _triangle(len(devices)), _over(devices)
 
 
-def _all_reduce_tensorflow(devices: list[str]) -> float:
+def _all_reduce_tensorflow(devices: list[str]) -> tuple[float, float, str]:
     """A replica-context all-reduce under `tf.distribute.MirroredStrategy`."""
     import tensorflow as tf
 
@@ -146,11 +155,12 @@ def _all_reduce_tensorflow(devices: list[str]) -> float:
     }
     if len(results) != 1:
         raise RuntimeError(f"the replicas disagree on the sum: {results}")
-    return results.pop()
+    return results.pop(), _triangle(len(devices)), _over(devices)
 
 
-def _all_reduce_torch(devices: list[str]) -> float:
-    """An all-reduce in a one-process gloo group (starts no process)."""
+def _all_reduce_torch(devices: list[str]) -> tuple[float, float, str]:
+    """An all-reduce in a one-process gloo group: on torch each device is a
+    process, and the doctor starts none."""
     import datetime
     import tempfile
 
@@ -169,9 +179,9 @@ def _all_reduce_torch(devices: list[str]) -> float:
             timeout=datetime.timedelta(seconds=60),
         )
         try:
-            value = torch.arange(1, len(devices) + 1, dtype=torch.float32)
+            value = torch.ones(1)
             dist.all_reduce(value)
-            return float(value.sum())
+            return float(value[0]), 1.0, "a gloo group of 1 process"
         finally:
             dist.destroy_process_group()
 
@@ -281,33 +291,39 @@ def collect(cpu_devices: int = 0) -> dict:
     try:
         report["cluster"] = _cluster()
     except Exception as error:  # noqa: BLE001
-        report["cluster"] = {"variables": _launcher_variables()}
+        report["cluster"] = {
+            "variables": _launcher_variables(),
+            "environment": {"error": str(error)},
+        }
         problems.append(f"cluster environment: {error}")
+    environment = report["cluster"].get("environment") or {}
+    if backend == "torch" and environment.get("world_size", 1) > 1:
+        mirrored["note"] = (
+            f"joins the {environment['source']} job as rank "
+            f"{environment['rank']} of {environment['world_size']}"
+        )
 
     if devices and backend in _ALL_REDUCE:
-        expected = float(len(devices) * (len(devices) + 1) // 2)
+        total = expected = over = None
         start = time.perf_counter()
         try:
-            total = _ALL_REDUCE[backend](devices)
+            total, expected, over = _ALL_REDUCE[backend](devices)
         except Exception as error:  # noqa: BLE001
-            total = None
             problems.append(
                 f"all-reduce over {devices} failed: "
                 f"{type(error).__name__}: {error}"
             )
         seconds = time.perf_counter() - start
         report["all_reduce"] = {
-            "devices": (
-                devices if backend != "torch" else ["cpu:0 (gloo, 1 process)"]
-            ),
+            "over": over,
             "result": total,
             "expected": expected,
-            "ok": total == expected,
+            "ok": total is not None and total == expected,
             "seconds": round(seconds, 3),
         }
         if total is not None and total != expected:
             problems.append(
-                f"all-reduce over {devices} gave {total}, not {expected}"
+                f"all-reduce over {over} gave {total}, not {expected}"
             )
     return report
 
@@ -347,7 +363,9 @@ def _format(report: dict) -> str:
     cluster = report["cluster"]
     if cluster is not None:
         environment = cluster.get("environment")
-        if isinstance(environment, dict):
+        if isinstance(environment, dict) and "error" in environment:
+            text = f"ERROR: {environment['error']}"
+        elif isinstance(environment, dict):
             text = (
                 f"{environment['source']}: rank {environment['rank']} of "
                 f"{environment['world_size']}"
@@ -369,13 +387,14 @@ def _format(report: dict) -> str:
         )
     result = report["all_reduce"]
     if result is not None:
-        verdict = "ok" if result["ok"] else "FAILED"
-        row(
-            "all-reduce",
-            f"{verdict}: sum over {len(result['devices'])} "
-            f"device(s) = {result['result']} (expected "
-            f"{result['expected']}) in {result['seconds']:.3f} s",
-        )
+        if result["ok"]:
+            text = (
+                f"ok: sum over {result['over']} = {result['result']} "
+                f"(expected {result['expected']}) in {result['seconds']:.3f} s"
+            )
+        else:
+            text = f"FAILED after {result['seconds']:.3f} s (see below)"
+        row("all-reduce", text)
     if report["problems"]:
         lines.append("")
         for problem in report["problems"]:
@@ -422,6 +441,23 @@ def main(argv=None) -> int:
         "--json", action="store_true", help="print the report as JSON"
     )
     p.set_defaults(func=doctor)
+    from keras_dist._src.cluster import node_launcher
+
+    launch = sub.add_parser(
+        "launch",
+        help="start the workers of this node (torchrun-style)",
+        description=(
+            "Starts --nproc-per-node workers of this node running a script, "
+            "with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT "
+            "set (and TF_CONFIG on TensorFlow). Prefixes output lines with "
+            "the rank, forwards SIGINT/SIGTERM, and exits non-zero (the "
+            "failed worker's code) when any worker fails, stopping the rest."
+        ),
+    )
+    node_launcher.add_arguments(launch)
+    launch.set_defaults(
+        func=lambda a: node_launcher.launch(node_launcher.config_from_args(a))
+    )
     args = parser.parse_args(argv)
     if getattr(args, "cpu_devices", 0) and args.cpu_devices < 1:
         parser.error("--cpu-devices needs a positive integer")

@@ -66,3 +66,28 @@ def test_main_example_trains(tmp_path):
     assert out.stdout.count("replicas=4") == 1  # printed by the chief only
     accuracy = float(re.search(r"test accuracy=([\d.]+)", out.stdout)[1])
     assert accuracy > 0.9
+
+
+def _readme_section(title):
+    text = (ROOT / "README.md").read_text()
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_quick_start_is_two_commands():
+    """One command runs the example, one installs and runs every test."""
+    blocks = re.findall(
+        r"```bash\n(.*?)```", _readme_section("Quick start"), re.S
+    )
+    assert len(blocks) == 2
+    assert all(b.strip() and "\n" not in b.strip() for b in blocks), blocks
+    assert "examples/train_digits.py" in blocks[0]
+    assert blocks[1].strip() == "bash tools/test_all.sh"
+
+
+def test_readme_extras_exist():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    named = set(re.findall(r'\.\[([\w-]+)\]"', _readme_section("Install")))
+    assert {"jax", "tensorflow", "torch", "all"} <= named
+    assert named <= set(extras), named - set(extras)
