@@ -123,6 +123,19 @@ class MirroredEngine:
         self.distribution = _ExactDataParallel(
             device_mesh=device_mesh, auto_shard_dataset=False
         )
+        # XLA's CPU runtime runs each simulated device's part of a step on a
+        # shared pool of max(cores, devices) threads, and its all-reduce
+        # blocks a thread until every device arrives. With a step still
+        # running while the next one (or a callback's read of its logs) is
+        # dispatched, the pools can be left without a thread for the last
+        # device: after 40 s XLA aborts the process ("Expected 4 threads to
+        # join the rendezvous, but only 3 of them arrived"; Keras's own
+        # `DataParallel` aborts the same way under load). So on CPU devices
+        # each step completes before `fit` goes on; accelerators keep
+        # asynchronous dispatch.
+        self.serialize_steps = all(
+            d.platform == "cpu" for d in self._jax_devices
+        )
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -247,6 +260,8 @@ class _StepFunctions:
             if state is not last_state[0]:
                 state = engine.place_state(state)
             outputs, state = iterator_step(state, self._placed(iterator))
+            if engine.serialize_steps:
+                jax.block_until_ready((outputs, state))
             last_state[0] = state
             return outputs, state
 

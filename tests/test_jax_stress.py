@@ -1,0 +1,101 @@
+"""JAX stress: many short `fit` calls on 4 simulated CPU devices while
+another process loads the CPU (issue #8).
+
+XLA's CPU collectives need every device's computation to reach the
+all-reduce; a device starved of a thread for 40 s aborts the whole process
+("Termination timeout for all reduce ... Expected 4 threads to join the
+rendezvous"). The training runs in a child process so that such an abort
+fails this test instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multi_device,
+    pytest.mark.skipif(
+        keras.backend.backend() != "jax", reason="JAX's CPU collectives"
+    ),
+]
+
+SCRIPT = """
+import sys, time
+import numpy as np
+import keras_dist, keras
+keras_dist.simulate_cpu_devices(4)
+
+fits, seconds = int(sys.argv[1]), float(sys.argv[2])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(1024, 256)).astype("float32")
+y = rng.integers(0, 10, 1024)
+
+
+class ReadLogs(keras.callbacks.Callback):
+    # async_safe: Keras runs it on its callback thread, concurrently with
+    # the dispatch of the next step (as Keras's own Progbar and History do).
+    async_safe = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.last = {k: float(v) for k, v in (logs or {}).items()}
+
+
+strategy = keras_dist.MirroredStrategy()
+with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((256,)),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+done, deadline = 0, None
+for i in range(fits):
+    model.fit(x, y, batch_size=256, epochs=1, verbose=0,
+              callbacks=[ReadLogs()])
+    done += 1
+    if deadline is None:  # fits after the first (which compiles) are timed
+        deadline = time.monotonic() + seconds
+    if time.monotonic() > deadline:
+        break
+print("FITS", done, flush=True)
+"""
+
+
+def test_many_fits_under_cpu_load(tmp_path):
+    script = tmp_path / "stress.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    env.pop("KERAS_DIST_CPU_DEVICES", None)
+    load = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "40", "25"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        load.kill()
+        load.wait()
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode} after {elapsed:.0f} s:\n" + proc.stderr[-3000:]
+    )
+    assert "FITS" in proc.stdout, proc.stdout[-2000:]
+    fits = int(proc.stdout.split("FITS")[1].split()[0])
+    assert fits >= 2, fits
