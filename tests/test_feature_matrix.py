@@ -122,7 +122,7 @@ def _sgd():
     return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
-def _data(n=16, features=4, outputs=2, seed=0):
+def _data(n=12, features=4, outputs=2, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, features)).astype("float32")
     y = rng.normal(size=(n, outputs)).astype("float32")
@@ -180,12 +180,12 @@ def _multi_io(ctx):
     )
     rng = np.random.default_rng(1)
     x = {
-        "a": rng.normal(size=(16, 4)).astype("float32"),
-        "b": rng.normal(size=(16, 3)).astype("float32"),
+        "a": rng.normal(size=(12, 4)).astype("float32"),
+        "b": rng.normal(size=(12, 3)).astype("float32"),
     }
     y = {
-        "out_a": rng.normal(size=(16, 2)).astype("float32"),
-        "out_b": rng.normal(size=(16, 1)).astype("float32"),
+        "out_a": rng.normal(size=(12, 2)).astype("float32"),
+        "out_b": rng.normal(size=(12, 1)).astype("float32"),
     }
     return ctx.results(model, _fit(model, x, y), x, y)
 
@@ -331,8 +331,8 @@ def _step_overrides(ctx):
 @row("class_weight")
 def _class_weight(ctx):
     rng = np.random.default_rng(2)
-    x = rng.normal(size=(16, 4)).astype("float32")
-    y = rng.integers(0, 3, 16)
+    x = rng.normal(size=(12, 4)).astype("float32")
+    y = rng.integers(0, 3, 12)
 
     def build():
         return _mlp(outputs=3)
@@ -457,7 +457,7 @@ def _recurrent(ctx):
         h = keras.layers.GRU(4)(h)
         return keras.Model(inputs, keras.layers.Dense(2)(h))
 
-    x = np.random.default_rng(4).integers(0, 10, (16, 5)).astype("int32")
+    x = np.random.default_rng(4).integers(0, 10, (12, 5)).astype("int32")
     return _standard(ctx, build, data=(x, _data()[1]))
 
 
@@ -510,8 +510,8 @@ def _regularizers(ctx):
 @row("stateful_metrics")
 def _metrics(ctx):
     rng = np.random.default_rng(5)
-    x = rng.normal(size=(16, 4)).astype("float32")
-    y = (rng.uniform(size=(16, 1)) > 0.5).astype("float32")
+    x = rng.normal(size=(12, 4)).astype("float32")
+    y = (rng.uniform(size=(12, 1)) > 0.5).astype("float32")
 
     def build():
         inputs = keras.Input((4,))
