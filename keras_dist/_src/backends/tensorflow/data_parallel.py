@@ -435,7 +435,8 @@ def _loss_step(model, tape, training, data, local_count, global_count):
         x, y, sample_weight, y_pred = tree.map_structure(
             real, (x, y, sample_weight, y_pred)
         )
-        with _no_replica_loss_scaling(model, local_count):
+        scaling = _no_replica_loss_scaling(model, local_count)
+        with scaling, _own_losses(model, y_pred):
             loss = model.compute_loss(
                 x=x,
                 y=y,
@@ -517,6 +518,42 @@ class _no_replica_loss_scaling:
                 metric.__dict__.pop("update_state", None)
             else:
                 metric.__dict__["update_state"] = old
+        return False
+
+
+class _own_losses:
+    """`model.losses` restricted to this replica's own.
+
+    Keras keeps `add_loss` values in one list per layer, shared by the
+    replicas' threads: when a collective (cross-replica BatchNormalization)
+    lets another replica's forward pass run in between, this replica's
+    `model.losses` also holds the other's values (not on this replica's
+    tape: the gradients stay right, the logged loss does not). Each
+    replica's ops are placed on its device, which tells them apart.
+    """
+
+    def __init__(self, model, y_pred):
+        self._model = model
+        leaves = [t for t in tree.flatten(y_pred) if t is not None]
+        self._device = getattr(leaves[0], "device", "") if leaves else ""
+
+    def __enter__(self):
+        self._old = self._model.__dict__.get("_losses_override", _MISSING)
+        if not self._device:
+            return self
+        losses = self._model.losses
+        own = [
+            v for v in losses if getattr(v, "device", "") in ("", self._device)
+        ]
+        if own and len(own) != len(losses):
+            self._model._losses_override = own
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is _MISSING:
+            self._model.__dict__.pop("_losses_override", None)
+        else:
+            self._model._losses_override = self._old
         return False
 
 

@@ -52,16 +52,23 @@ def distribute_global_batches(strategy, dataset, options=None):
 
             def add_count(*batch):
                 # Each sample carries the global batch size, so the step
-                # needs no collective to learn it. A batch whose size does
-                # not divide by the replica count gets zero samples
-                # (carrying 0) appended up to the next multiple, so that
-                # tf.distribute's ceil-sized parts are never empty (6 over 4
-                # would give 2, 2, 2, 0): with cross-replica
-                # BatchNormalization an empty part aborts the step.
+                # needs no collective to learn it. tf.distribute cuts
+                # ceil-sized parts (10 over 3 gives 4, 4, 2); where that
+                # leaves a part empty (6 over 4 would give 2, 2, 2, 0),
+                # zero samples (carrying 0) are appended up to the next
+                # multiple: with cross-replica BatchNormalization an empty
+                # part aborts the step. Only then: padding rows go through
+                # the forward pass, and a batch-dependent `add_loss`
+                # (activity regularizers) would see them.
                 batch = batch[0] if len(batch) == 1 else batch
                 leaves = [t for t in tree.flatten(batch) if t is not None]
                 count = tf.shape(leaves[0])[0]
-                missing = (replicas - count % replicas) % replicas
+                ceil = (count + replicas - 1) // replicas
+                missing = tf.where(
+                    ceil * (replicas - 1) >= count,
+                    (replicas - count % replicas) % replicas,
+                    0,
+                )
                 batch = tree.map_structure(
                     lambda t: pad_rows(t, missing),
                     batch,
