@@ -208,6 +208,7 @@ def test_damaged_checkpoint_is_skipped(tmp_path, damage):
     assert_same(values(fresh.variables), expected[: len(fresh.variables)])
 
 
+@pytest.mark.slow
 def test_other_model_is_refused_naming_the_variables(tmp_path):
     checkpoint.save(trained(tmp_path), tmp_path / "ck")
     wider = build(units=5, eager=True)
@@ -296,6 +297,7 @@ def fit(model, callbacks, epochs=2, **kwargs):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "crash_at, save_freq, spe",
     [(7, 2, 1), (8, "epoch", 1), (8, 3, 2)],
@@ -355,6 +357,7 @@ def test_interrupted_mirrored_fit_resumes_exactly(tmp_path):
     assert_same(values(model.variables), values(reference.variables), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_signal_stops_fit_after_saving(tmp_path):
     backup = str(tmp_path / "backup")
     before = signal.getsignal(signal.SIGUSR1)

@@ -201,6 +201,7 @@ def small_model():
     return model
 
 
+@pytest.mark.fast
 def test_empty_input(small_model):
     import tensorflow as tf
 
@@ -220,6 +221,7 @@ def test_empty_input(small_model):
         small_model.predict(nothing(), verbose=0)
 
 
+@pytest.mark.fast
 def test_infinite_input_without_steps(small_model):
     import tensorflow as tf
 
@@ -236,6 +238,7 @@ def test_infinite_input_without_steps(small_model):
     assert len(history.history["loss"]) == 1
 
 
+@pytest.mark.fast
 def test_batches_whose_shapes_or_structure_differ(small_model):
     def shapes():
         yield np.zeros((4, 3)), np.zeros((4,))
@@ -255,6 +258,7 @@ def test_batches_whose_shapes_or_structure_differ(small_model):
         small_model.fit(structures(), verbose=0)
 
 
+@pytest.mark.fast
 def test_steps_per_epoch_longer_than_the_data(small_model):
     x, y = np.ones((8, 3)), np.ones((8,))
     with pytest.warns(UserWarning, match="ran out of data"):

@@ -68,7 +68,7 @@ def reference():
     [
         pytest.param(1, marks=pytest.mark.slow),
         pytest.param(2, marks=pytest.mark.slow),
-        4,  # the fast loop's parity test (tools/test_fast.sh)
+        pytest.param(4, marks=pytest.mark.fast),  # tools/test_fast.sh
     ],
 )
 def test_mirrored_matches_single_device(reference, replicas):

@@ -2,8 +2,9 @@
 # A contributor's inner loop: the unit tests of the shared code and one
 # parity test per backend, on JAX, TensorFlow and torch at once (one pytest
 # process per backend, in parallel; logs printed in backend order).
-# Leaves out what is marked `slow` or `multi_process` unless it is also
-# marked `fast`. Run `bash tools/test_all.sh` (what CI runs) before pushing.
+# Leaves out what is marked `slow`, `multi_device` or `multi_process`
+# unless it is also marked `fast`. Run `bash tools/test_all.sh` (what CI
+# runs) before pushing.
 #
 #   bash tools/test_fast.sh                # all three backends
 #   bash tools/test_fast.sh -x -k device   # extra arguments go to pytest
@@ -25,8 +26,8 @@ for backend in $BACKENDS; do
   (
     t0=$SECONDS
     KERAS_BACKEND="$backend" "$VENV/bin/python" -m pytest -q \
-      -p no:cacheprovider -m "fast or not (slow or multi_process)" \
-      --durations=5 tests "$@"
+      -p no:cacheprovider --durations=5 \
+      -m "fast or not (slow or multi_process or multi_device)" tests "$@"
     rc=$?
     echo "[$backend: $((SECONDS - t0)) s]"
     exit "$rc"
