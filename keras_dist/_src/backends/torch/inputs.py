@@ -58,7 +58,8 @@ _logged: set = set()
 def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
-        supervision.log(message)
+        if not dist.is_initialized() or dist.get_rank() == 0:  # chief only
+            supervision.log(message)
 
 
 # -- classification -----------------------------------------------------------
