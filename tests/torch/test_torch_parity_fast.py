@@ -65,6 +65,8 @@ def test_two_ranks_match_one_device(tmp_path):
         env={"KERAS_DIST_CPU_DEVICES": "2", "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Messages are the chief's: the default AUTO policy is logged once.
+    assert proc.stderr.count("ShardPolicy.AUTO") <= 1, proc.stderr[-3000:]
 
     init = np.load(tmp_path / "init.npz")
     model = build_model()
