@@ -4,7 +4,6 @@ plain Keras on one device from the same initial weights."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,13 +19,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
 
 pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
-
-if BACKEND == "tensorflow":
-    pytest.skip(
-        "MultiWorkerMirroredStrategy over several TensorFlow processes is "
-        "not implemented yet (issue #10)",
-        allow_module_level=True,
-    )
 
 
 def _build():

@@ -349,8 +349,14 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
 
     One device needs no tf.distribute (Keras's own step, placed on it).
     """
-    del kind, runtime
     devices = [normalize_device(d) for d in devices]
+    if kind == "multi_worker" and runtime.world_size > 1:
+        from keras_dist._src.backends.tensorflow.multi_worker import (
+            MultiWorkerEngine,
+        )
+
+        return MultiWorkerEngine(devices, sync_batch_norm, runtime)
+    del kind, runtime
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])
     # One worker (this process): every shard policy reads the whole input.

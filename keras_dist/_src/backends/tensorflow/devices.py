@@ -21,7 +21,11 @@ def list_devices(device_type: str | None = None) -> list[str]:
     for device in tf.config.list_logical_devices():
         if device.device_type not in ("CPU", "GPU", "TPU"):
             continue
-        names.append(normalize_device(device.name))
+        name = normalize_device(device.name)
+        # In a multi-worker job TensorFlow also lists the other workers'
+        # devices (``/job:worker/task:1/...``), which share local names.
+        if name not in names:
+            names.append(name)
     if device_type:
         names = [n for n in names if n.startswith(device_type.lower() + ":")]
     return names

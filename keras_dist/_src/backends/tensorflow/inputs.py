@@ -46,7 +46,11 @@ def distribute_global_batches(strategy, dataset, options=None):
     """
     replicas = strategy.num_replicas_in_sync
     with_count = current_call() in EXACT_CALLS
-    native = tf.distribute.MirroredStrategy.experimental_distribute_dataset
+    native = getattr(
+        type(strategy),
+        "_native_distribute",
+        tf.distribute.MirroredStrategy.experimental_distribute_dataset,
+    )
     if int(tfdata_distribute.compute_batch_size(dataset)) >= 0:
         if with_count:
 
@@ -110,8 +114,18 @@ def distribute_global_batches(strategy, dataset, options=None):
 
         return tf.data.Dataset.range(replicas).map(part)
 
-    parts = dataset.flat_map(split)
-    return strategy.distribute_datasets_from_function(lambda _: parts, options)
+    def local_parts(input_context):
+        # Each worker yields the parts of its own replicas, in order (one
+        # worker: every part).
+        local = replicas // input_context.num_input_pipelines
+        first = input_context.input_pipeline_id * local
+
+        def parts_of(*batch):
+            return split(*batch).skip(first).take(local)
+
+        return dataset.flat_map(parts_of)
+
+    return strategy.distribute_datasets_from_function(local_parts, options)
 
 
 def pad_rows(tensor, count):

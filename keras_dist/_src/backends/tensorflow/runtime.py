@@ -37,6 +37,13 @@ class TfRuntime(HostRuntime):
 
     def __init__(self, environment):
         super().__init__(environment)
+        from keras_dist._src.backends.tensorflow.multi_worker import (
+            new_strategy,
+        )
+
+        # Joins the job: starts this worker's server and the coordination
+        # service, before TensorFlow lists its devices.
+        self.tf_strategy = new_strategy(environment)
         self._sequence = itertools.count()
         self._stale: list[str] = []
 
