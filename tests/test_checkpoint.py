@@ -300,8 +300,19 @@ def fit(model, callbacks, epochs=2, **kwargs):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "crash_at, save_freq, spe",
-    [(7, 2, 1), (8, "epoch", 1), (8, 3, 2)],
-    ids=["mid-epoch", "epoch", "steps_per_execution"],
+    [
+        pytest.param(7, 2, 1, id="mid-epoch"),
+        pytest.param(8, "epoch", 1, id="epoch"),
+        pytest.param(
+            8,
+            3,
+            2,
+            id="steps_per_execution",
+            marks=pytest.mark.skipif(
+                BACKEND == "torch", reason="Keras on torch runs 1 step a call"
+            ),
+        ),
+    ],
 )
 def test_interrupted_fit_resumes_exactly(tmp_path, crash_at, save_freq, spe):
     backup = str(tmp_path / "backup")

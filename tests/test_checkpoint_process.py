@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import keras
 import numpy as np
@@ -344,3 +345,62 @@ def test_checkpoint_from_another_backend_restores(tmp_path, source, replicas):
     assert meta["strategy"]["num_replicas_in_sync"] == replicas
     assert_variables_equal(model, tmp_path / "w.npz")
     model.fit(np.ones((8, 4)), np.ones((8, 2)), batch_size=8, verbose=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "jax", reason="one backend is enough")
+def test_preemptible_example_resumes_after_ctrl_c(tmp_path):
+    example = os.path.join(REPO, "examples", "preemptible.py")
+    env = env_for("jax", devices=2)
+    common = ["--epochs", "2", "--save-freq", "5", "--sleep", "0.03"]
+    reference = subprocess.run(
+        [
+            sys.executable,
+            example,
+            *common,
+            "--backup-dir",
+            tmp_path / "r",
+            "--weights-out",
+            tmp_path / "ref.npz",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    backup = tmp_path / "backup"
+    args = [
+        sys.executable,
+        example,
+        *common,
+        "--backup-dir",
+        backup,
+        "--weights-out",
+        tmp_path / "w.npz",
+    ]
+    proc = subprocess.Popen(
+        args,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("Epoch 1/2"):
+                time.sleep(0.3)  # a few steps into the first epoch
+                proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == PREEMPTION_EXIT_CODE, err[-3000:]
+    assert "preempted (SIGINT)" in err
+    second = subprocess.run(
+        args, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from: {backup}{os.sep}ckpt-" in second.stdout
+    assert relative_difference(tmp_path / "ref.npz", tmp_path / "w.npz") <= 1e-6

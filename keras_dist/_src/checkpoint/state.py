@@ -60,6 +60,10 @@ def to_host(value) -> np.ndarray:
 
         # A tf.distribute MirroredVariable reads as its primary copy.
         return np.array(tf.identity(value).numpy(), copy=True)
+    if getattr(value, "is_fully_addressable", True) is False:
+        # A replicated JAX array of a multi-process job: this process's
+        # copy (every process holds the whole value).
+        value = value.addressable_data(0)
     return np.array(keras.ops.convert_to_numpy(value), copy=True)
 
 
