@@ -118,6 +118,13 @@ def _jsonable(value):
     return {"a": array.ravel().tolist(), "s": list(array.shape)}
 
 
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:  # CSVLogger's "NA"
+        return text
+
+
 def _sgd():
     return keras.optimizers.SGD(0.1, momentum=0.9)
 
@@ -397,7 +404,7 @@ def _callbacks(ctx):
     if ctx.is_chief:
         rows = [line.split(",") for line in open(csv).read().split()]
         extra["csv_header"] = rows[0]
-        extra["csv"] = [[float(v) for v in r] for r in rows[1:]]
+        extra["csv"] = [[_number(v) for v in r] for r in rows[1:]]
         saved = _mlp()
         saved.load_weights(checkpoint)
         extra["checkpoint"] = saved.get_weights()
