@@ -483,7 +483,9 @@ def _dropout(ctx):
 def _normalization(ctx):
     def build():
         inputs = keras.Input((4,))
-        h = keras.layers.Dense(8)(inputs)
+        # No bias before BatchNormalization: its exact gradient is zero, so
+        # it would hold rounding noise only.
+        h = keras.layers.Dense(8, use_bias=False)(inputs)
         h = keras.layers.BatchNormalization(momentum=0.8)(h)
         h = keras.layers.Activation("tanh")(h)
         h = keras.layers.LayerNormalization()(h)
