@@ -433,12 +433,16 @@ class StepFunctions:
             return None
         return _metric_snapshot(list(self.model.metrics_variables))
 
-    def _metrics_after_step(self, before):
-        """Sums the metric updates over ranks now, or defers that."""
+    def _metrics_after_step(self, before, now=False):
+        """Sums the metric updates over ranks now, or defers that.
+
+        `now`: always now (a user's step: Keras may keep its returned logs
+        instead of reading the metrics at the end, so they must be global).
+        """
         self._in_step = False
         if self._unsynced_since is None:
             self._unsynced_since = before
-        if not self.engine.defer_metric_sync:
+        if now or not self.engine.defer_metric_sync:
             self.sync_metrics()
 
     def sync_metrics(self) -> None:
@@ -766,7 +770,7 @@ class StepFunctions:
         if self._check_weights_agree:
             self._check_weights_agree = False
             self._check_replicas_agree()
-        self._metrics_after_step(before)
+        self._metrics_after_step(before, now=True)
         return self._merge_logs(logs, local_results)
 
     def _check_replicas_agree(self) -> None:
@@ -840,7 +844,7 @@ class StepFunctions:
             local_results = self._local_metrics_result()
             if n_local == 0:
                 self._restore_metrics(own)
-            self._metrics_after_step(before)
+            self._metrics_after_step(before, now=True)
             return self._merge_logs(logs, local_results)
         x, y, sample_weight, n_local, _ = self._shard(data)
         before = self._metrics_before_step()
