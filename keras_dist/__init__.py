@@ -19,6 +19,9 @@ from keras_dist._src.errors import (
     UnsupportedBackendError,
     VariablesOutsideScopeError,
 )
+from keras_dist._src.keras_glue import (
+    check_keras_version as _check_keras_version,
+)
 from keras_dist._src.options import InputOptions, ShardPolicy
 from keras_dist._src.strategies import (
     MirroredStrategy,
@@ -60,3 +63,5 @@ __all__ = [
 
 _apply_env()
 del _apply_env
+_check_keras_version()
+del _check_keras_version

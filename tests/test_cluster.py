@@ -168,3 +168,11 @@ def test_first_slurm_host():
     assert envs.first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
     assert envs.first_slurm_host("node7") == "node7"
     assert envs.first_slurm_host("a[1,2]") == "a1"
+
+
+def test_untested_keras_version_warns_once_clearly():
+    from keras_dist._src.keras_glue import check_keras_version
+
+    assert check_keras_version("3.15.1")
+    with pytest.warns(UserWarning, match="tested with Keras 3.15"):
+        assert not check_keras_version("3.9.2")

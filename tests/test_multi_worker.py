@@ -124,3 +124,25 @@ def test_killed_worker_stops_the_job(tmp_path):
     assert "finished" not in proc.stdout
     assert "worker rank 1 was killed by SIGKILL" in proc.stderr
     assert seconds < 120
+
+
+HUNG = KILLED.replace(
+    "os.kill(os.getpid(), signal.SIGKILL)", "import time; time.sleep(3600)"
+)
+
+
+def test_hung_worker_stops_the_job(tmp_path):
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    env_timeout = {"KERAS_DIST_TIMEOUT": "30"}
+    os.environ.update(env_timeout)
+    try:
+        proc, seconds = _launch(["--nproc-per-node", 2, script], tmp_path)
+    finally:
+        del os.environ["KERAS_DIST_TIMEOUT"]
+    assert proc.returncode != 0
+    assert "finished" not in proc.stdout
+    assert "stopping the other workers" in proc.stderr
+    # The hung worker's peers gave up after the liveness timeout (30 s),
+    # not the 3600 s the worker sleeps.
+    assert seconds < 240

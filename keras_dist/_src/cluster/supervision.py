@@ -26,6 +26,30 @@ POLL_SECONDS = float(os.environ.get("KERAS_DIST_POLL_SECONDS", "0.5"))
 
 
 EXIT_CODE = 1
+ENV_TIMEOUT = "KERAS_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120
+
+
+def liveness_timeout() -> int:
+    """Seconds a worker waits for the others before the job is stopped.
+
+    ``KERAS_DIST_TIMEOUT`` (default 120): the torch process group's
+    timeout, TensorFlow's collective timeout and `jax.distributed`'s
+    heartbeat timeout, so that a dead or hung worker stops every other
+    worker instead of hanging the job.
+
+    Raises:
+        ValueError: when ``KERAS_DIST_TIMEOUT`` is not a positive integer.
+    """
+    value = os.environ.get(ENV_TIMEOUT, "")
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{ENV_TIMEOUT}={value!r} is not a positive number of seconds; "
+            "set it to e.g. 120."
+        )
+    return int(value)
 
 
 def log(message: str) -> None:

@@ -16,6 +16,7 @@ from keras_dist._src.cluster.environments import (
     ClusterEnvironment,
     detect_environment,
 )
+from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.errors import KerasDistError
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
@@ -73,10 +74,13 @@ def _initialize(environment: ClusterEnvironment) -> None:
         "cpu" in str(jax.config.jax_platforms)
     ):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = liveness_timeout()
     jax.distributed.initialize(
         coordinator_address=environment.coordinator_address,
         num_processes=environment.world_size,
         process_id=environment.rank,
+        initialization_timeout=max(timeout, 300),
+        heartbeat_timeout_seconds=timeout,
     )
 
 

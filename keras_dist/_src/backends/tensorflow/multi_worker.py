@@ -22,6 +22,7 @@ from keras_dist._src.backends.tensorflow.inputs import (
     distribute_global_batches,
 )
 from keras_dist._src.cluster.environments import ClusterConfigError
+from keras_dist._src.cluster.supervision import liveness_timeout
 
 
 def _cluster_resolver(environment):
@@ -80,7 +81,10 @@ def new_strategy(environment):
             "reduce": _reduce,
         },
     )
-    return cls(cluster_resolver=resolver)
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=liveness_timeout()
+    )
+    return cls(cluster_resolver=resolver, communication_options=options)
 
 
 class MultiWorkerEngine(MirroredEngine):

@@ -26,9 +26,6 @@ from keras_dist._src.cluster.environments import (
 from keras_dist._src.errors import KerasDistError
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
-ENV_TIMEOUT = "KERAS_DIST_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600
-
 
 class RankFailedError(KerasDistError):
     """Another rank of the job failed; this rank stops too."""
@@ -119,8 +116,7 @@ _job: _Job | None = None
 
 
 def _timeout() -> datetime.timedelta:
-    seconds = int(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=supervision.liveness_timeout())
 
 
 def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
