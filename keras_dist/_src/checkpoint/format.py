@@ -79,7 +79,8 @@ def write(root: str, step: int, arrays: dict, metadata: dict) -> str:
         index, stored = _encode(arrays)
         arrays_path = os.path.join(temp, ARRAYS_FILE)
         with open(arrays_path, "wb") as f:
-            np.savez(f, **stored)
+            writer = _HashingWriter(f)
+            np.savez(writer, **stored)
             f.flush()
             os.fsync(f.fileno())
         metadata = dict(metadata)
@@ -87,7 +88,7 @@ def write(root: str, step: int, arrays: dict, metadata: dict) -> str:
             format=FORMAT_NAME,
             format_version=FORMAT_VERSION,
             arrays=index,
-            files={ARRAYS_FILE: _file_digest(arrays_path)},
+            files={ARRAYS_FILE: writer.digest()},
         )
         meta_bytes = json.dumps(metadata, indent=1, sort_keys=True).encode()
         _write_bytes(os.path.join(temp, METADATA_FILE), meta_bytes)
@@ -106,6 +107,36 @@ def write(root: str, step: int, arrays: dict, metadata: dict) -> str:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return final
+
+
+class _HashingWriter:
+    """A write-only, non-seekable file that hashes what passes through.
+
+    Without ``seek``/``tell``, `zipfile` (under `np.savez`) streams each
+    member with a trailing data descriptor instead of seeking back, so the
+    SHA-256 of the file is computed while writing, not by reading it again.
+    """
+
+    def __init__(self, raw):
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self._size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        self._raw.write(view)
+        self._size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def read(self, *args):  # NumPy takes an object with `read` for a file
+        raise OSError("write-only")
+
+    def digest(self) -> dict:
+        return {"sha256": self._hash.hexdigest(), "bytes": self._size}
 
 
 def _publish(temp: str, final: str, root: str, token: str) -> None:

@@ -55,16 +55,25 @@ def _keys(group: str, variables) -> list[str]:
 
 def to_host(value) -> np.ndarray:
     """A NumPy copy of a variable's value (never a view of device memory)."""
-    if keras.backend.backend() == "tensorflow":
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
         import tensorflow as tf
 
         # A tf.distribute MirroredVariable reads as its primary copy.
-        return np.array(tf.identity(value).numpy(), copy=True)
-    if getattr(value, "is_fully_addressable", True) is False:
-        # A replicated JAX array of a multi-process job: this process's
-        # copy (every process holds the whole value).
-        value = value.addressable_data(0)
-    return np.array(keras.ops.convert_to_numpy(value), copy=True)
+        array = tf.identity(value).numpy()
+    elif backend == "torch":
+        array = value.detach().cpu().numpy()
+    else:
+        if getattr(value, "is_fully_addressable", True) is False:
+            # A replicated JAX array of a multi-process job: this process's
+            # copy (every process holds the whole value).
+            value = value.addressable_data(0)
+        array = np.asarray(value)
+    # One copy, and only where `array` may share memory with the device
+    # buffer (which the next step can overwrite or donate).
+    if not array.flags.owndata or not array.flags.writeable:
+        array = array.copy()
+    return array
 
 
 def snapshot_variables(model) -> dict:
