@@ -372,6 +372,9 @@ class StepFunctions:
         self.custom = {}
         self._check_weights_agree = False
         self._stand_in = None
+        # While a user's step runs: its metric baselines (see
+        # `_run_user_step`).
+        self._user_step = None
 
     def install(self) -> None:
         """Replaces the model's step-function factories and its metric
@@ -401,8 +404,11 @@ class StepFunctions:
 
         def get_metrics_result():
             # Keras's `compute_metrics` reads the values inside the step:
-            # those reads stay local (a rank with no samples skips them).
-            if not self._in_step:
+            # those reads stay local (a rank with no samples skips them),
+            # except in a user's step, which every rank runs alike.
+            if self._user_step is not None:
+                self._sync_in_user_step()
+            elif not self._in_step:
                 self.sync_metrics()
             return cls.get_metrics_result(model)
 
@@ -741,6 +747,44 @@ class StepFunctions:
                 t.copy_(snapshot[offset : offset + n].view_as(t).to(t.dtype))
                 offset += n
 
+    def _run_user_step(self, run, n_local):
+        """Runs a user's step with exact metrics.
+
+        Metric reads through `get_metrics_result` inside the step (Keras's
+        `compute_metrics`, `super().test_step(...)`) return values summed
+        over ranks, so logs derived from them are global; a rank on a
+        stand-in sample (empty shard) has its metric updates undone.
+
+        Returns:
+            ``(logs, this rank's metric results right after the step)``.
+        """
+        variables = list(self.model.metrics_variables)
+        before = self._metrics_before_step()
+        base = _metric_snapshot(variables) if n_local == 0 else None
+        self._user_step = {"before": before, "base": base}
+        try:
+            logs = run()
+        finally:
+            self.engine.phantom_shard = False
+            state, self._user_step = self._user_step, None
+        local_results = self._local_metrics_result()
+        if state["base"] is not None:
+            self._restore_metrics(state["base"])
+        self._metrics_after_step(state["before"], now=True)
+        return logs, local_results
+
+    def _sync_in_user_step(self) -> None:
+        state = self._user_step
+        if state["base"] is not None:
+            self._restore_metrics(state["base"])
+        if self._unsynced_since is None:
+            self._unsynced_since = state["before"]
+        self.sync_metrics()
+        # Updates later in the step count from here.
+        state["before"] = _metric_snapshot(list(self.model.metrics_variables))
+        if state["base"] is not None:
+            state["base"] = state["before"]
+
     def user_train_step(self, data):
         """Runs the model's own `train_step` on this rank's shard.
 
@@ -752,25 +796,18 @@ class StepFunctions:
         """
         model = self.model
         local, n_local, n_global = self._local_data(data)
-        before = self._metrics_before_step()
-        own = None
-        if n_local == 0:
-            own = _metric_snapshot(list(model.metrics_variables))
-        try:
+
+        def run():
             with self._reduced_gradients(n_local / n_global, n_local > 0):
                 with self._training_forward():
-                    logs = model.train_step(local)
-        finally:
-            self.engine.phantom_shard = False
-        local_results = self._local_metrics_result()
-        if n_local == 0:
-            self._restore_metrics(own)
+                    return model.train_step(local)
+
+        logs, local_results = self._run_user_step(run, n_local)
         if not self.engine.sync_batch_norm:
             self._average_moving_statistics(n_local > 0)
         if self._check_weights_agree:
             self._check_weights_agree = False
             self._check_replicas_agree()
-        self._metrics_after_step(before, now=True)
         return self._merge_logs(logs, local_results)
 
     def _check_replicas_agree(self) -> None:
@@ -833,18 +870,9 @@ class StepFunctions:
         model = self.model
         if self.custom["test_step"]:
             local, n_local, _ = self._local_data(data)
-            before = self._metrics_before_step()
-            own = None
-            if n_local == 0:
-                own = _metric_snapshot(list(model.metrics_variables))
-            try:
-                logs = model.test_step(local)
-            finally:
-                self.engine.phantom_shard = False
-            local_results = self._local_metrics_result()
-            if n_local == 0:
-                self._restore_metrics(own)
-            self._metrics_after_step(before, now=True)
+            logs, local_results = self._run_user_step(
+                lambda: model.test_step(local), n_local
+            )
             return self._merge_logs(logs, local_results)
         x, y, sample_weight, n_local, _ = self._shard(data)
         before = self._metrics_before_step()
