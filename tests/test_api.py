@@ -162,6 +162,7 @@ def test_simulated_devices_requested_too_late():
         keras_dist.simulate_cpu_devices(0)
 
 
+@pytest.mark.slow  # a fresh process: 3-5 s
 @needs_multi
 def test_simulated_devices_from_a_fresh_process(tmp_path):
     code = (

@@ -56,8 +56,9 @@ def test_doctor_json_without_simulated_devices():
         assert report["mirrored_strategy"]["devices"] == ["cpu:0"]
 
 
+@pytest.mark.slow  # a fresh process: 5-10 s
 def test_doctor_simulates_four_devices_and_all_reduces():
-    # In the fast loop: --cpu-devices once reported one device.
+    # --cpu-devices once reported one device, and on torch started 4 doctors.
     out = _doctor("--cpu-devices", "4")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert out.stdout.count("MirroredStrategy()") == 1  # printed once
