@@ -279,13 +279,13 @@ def test_per_output_losses_logged_exactly(replicas):
     _assert_logs_close(h1, h2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #8 item 9: evaluate's per-output losses still differ "
-    "(~20 % on a_loss) where a batch does not divide; fit's are exact",
-)
-@pytest.mark.parametrize("replicas", [2])
+@pytest.mark.parametrize("replicas", REPLICAS)
 def test_per_output_losses_evaluate_exactly(replicas):
+    # Batches of 4, 4, 2: one device's TF trainer logs each output's loss as
+    # the mean of the batches' means (each batch weighs 1), its total loss
+    # weighted by batch size. Measured: max relative difference 8.5e-8
+    # (2 replicas; it was 21 % on a_loss before each part's per-output loss
+    # was weighted by its share of the global batch).
     x, y = _data()
     ys = {"a": y, "b": y[:, :1] * 2.0}
     plain, dist = _pair(
@@ -301,3 +301,116 @@ def test_per_output_losses_evaluate_exactly(replicas):
     assert e1.keys() == e2.keys()
     for key in e1:
         np.testing.assert_allclose(e2[key], e1[key], rtol=1e-5, err_msg=key)
+    # fit with the same uneven batches.
+    h1, h2 = _fit_both(plain, dist, x, ys, batch_size=4)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+
+
+# Item 10: Dropout masks and add_loss.
+
+
+def _dropout_model(seed=0, dropout_seed=1):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    h = keras.layers.Dropout(0.5, seed=dropout_seed)(h)
+    outputs = keras.layers.Dense(2)(h)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+@pytest.mark.parametrize("dropout_seed", [1, None], ids=["seeded", "unseeded"])
+def test_dropout_masks_match_one_device(replicas, dropout_seed):
+    # 10 samples in batches of 4 (4, 4, 2): parts of unequal size, and with
+    # 3 replicas a padded empty part. Each replica keeps its rows of the
+    # mask one device draws for the global batch.
+    x, y = _data()
+    plain, dist = _pair(
+        replicas,
+        lambda: _dropout_model(dropout_seed=dropout_seed),
+        lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+    )
+    h1, h2 = _fit_both(plain, dist, x, y, batch_size=4)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+
+
+class SumLoss(keras.layers.Layer):
+    """Adds a loss that SUMS over the batch (not a mean)."""
+
+    def call(self, x):
+        self.add_loss(0.05 * ops.sum(ops.square(x)))
+        return x
+
+
+class MeanLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.05 * ops.mean(ops.square(x)))
+        return x
+
+
+def _add_loss_model(layer_class, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh")(inputs)
+    h = layer_class()(h)
+    outputs = keras.layers.Dense(2)(h)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("replicas", [2])
+def test_sum_add_loss_warns_once(replicas):
+    # A loss summed over the batch cannot be told from a mean: each
+    # replica's value is weighted by its share, so a sum comes out about
+    # 1/N of one device's. Measured (2 replicas, 2 epochs of batches of 5,
+    # SGD 0.1): logged loss 8.9 % low, weights 5.2e-2 max relative apart.
+    x, y = _data()
+    plain, dist = _pair(
+        replicas,
+        lambda: _add_loss_model(SumLoss),
+        lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+    )
+    with pytest.warns(UserWarning, match="add_loss") as record:
+        h1, h2 = _fit_both(plain, dist, x, y)
+        weights = max_relative_difference(
+            plain.get_weights(), dist.get_weights()
+        )
+        dist.fit(x, y, batch_size=5, epochs=1, verbose=0)  # no new warning
+    assert sum("add_loss" in str(w.message) for w in record) == 1
+    logged = np.max(np.abs(np.array(h2["loss"]) / np.array(h1["loss"]) - 1))
+    print(f"sum add_loss: weights {weights:.3g}, loss {logged:.3g}")
+    assert weights > 1e-3 and logged > 1e-2
+
+
+@pytest.mark.parametrize("replicas", [2])
+def test_mean_add_loss_and_regularizers_are_exact(replicas):
+    # A mean-type add_loss is exact (still warned about: the kind is
+    # unknown); regularizers alone are exact and not warned about.
+    x, y = _data()
+    plain, dist = _pair(
+        replicas,
+        lambda: _add_loss_model(MeanLoss),
+        lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+    )
+    with pytest.warns(UserWarning, match="add_loss"):
+        h1, h2 = _fit_both(plain, dist, x, y)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+
+    import warnings
+
+    plain, dist = _pair(
+        replicas,
+        _two_output_model,  # an activity regularizer
+        lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        dist.fit(x, {"a": y, "b": y[:, :1]}, batch_size=5, verbose=0)

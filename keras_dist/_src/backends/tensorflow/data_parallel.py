@@ -38,6 +38,7 @@ from keras_dist._src.backends.tensorflow.inputs import (
     LOCAL_COUNT_KEY,
     DistributedIterable,
     distribute_global_batches,
+    pad_rows,
 )
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
@@ -165,6 +166,10 @@ class MirroredEngine(_EngineBase):
         for layer in model._flatten_layers(include_self=False):
             if isinstance(layer, keras.layers.BatchNormalization):
                 set_batch_norm_sync(layer, self.sync_batch_norm)
+            if type(layer) is keras.layers.Dropout:
+                if "call" not in layer.__dict__:
+                    layer.__dict__["call"] = _global_dropout(layer)
+                model.__dict__["_keras_dist_dropout"] = True
         self._install_steps(model)
 
     def _install_steps(self, model) -> None:
@@ -403,9 +408,17 @@ def _exact_step(engine, model, data, training):
                 sample_weight,
             )
     REPLICA_STATE.valid = valid
-    with tf.GradientTape() as tape:
+    REPLICA_STATE.dropout = None
+    if training and model.__dict__.get("_keras_dist_dropout"):
+        REPLICA_STATE.dropout = _part_position(context, local_count) + (
+            tf.cast(global_count, "int32"),
+        )
+    with tf.GradientTape() as tape, _user_losses(model) as user_losses:
         kwargs = {"training": training} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
+    REPLICA_STATE.dropout = None
+    if user_losses.found:
+        _warn_user_losses(model)
     return _loss_step(
         model,
         tape,
@@ -413,6 +426,130 @@ def _exact_step(engine, model, data, training):
         (x, y, sample_weight, y_pred),
         local_count,
         global_count,
+    )
+
+
+def _part_position(context, local_count):
+    """(first row, row count) of this replica's part in the global batch:
+    the parts lie in replica order (both input splits keep sample order)."""
+    replicas = context.num_replicas_in_sync
+    replica = context.replica_id_in_sync_group
+    counts = context.all_reduce(
+        tf.distribute.ReduceOp.SUM,
+        tf.one_hot(replica, replicas, dtype="int32")
+        * tf.cast(local_count, "int32"),
+    )
+    start = tf.reduce_sum(
+        counts * tf.cast(tf.range(replicas) < replica, "int32")
+    )
+    return start, tf.cast(local_count, "int32")
+
+
+def _global_dropout(layer):
+    """A `Dropout.call` that drops what one device drops.
+
+    Keras's TF dropout is stateless: the mask depends on the seed (drawn
+    from the layer's seed generator, whose state every replica shares) and
+    on the shape. Each replica used to draw a mask for its own part's
+    shape with the same seed, so every part got the first rows of one
+    device's mask. Here, in keras_dist's training step, the mask is drawn
+    for the global batch's shape (the layer's own call on ones: same seed,
+    same generator advance, same values as on one device) and this replica
+    keeps its rows (padding rows, weighted 0, get zeros). Elsewhere
+    (inference, `training=True` outside the step) it is Keras's call.
+    """
+    original = type(layer).call.__get__(layer)
+
+    def call(inputs, training=False):
+        position = getattr(REPLICA_STATE, "dropout", None)
+        noise = layer.noise_shape
+        if (
+            not training
+            or position is None
+            or not 0.0 < layer.rate < 1.0
+            or (noise is not None and noise[0] is not None)
+        ):
+            return original(inputs, training=training)
+        start, count, global_count = position
+        inputs = tf.convert_to_tensor(inputs)
+        shape = tf.shape(inputs)
+        probe = tf.ones(
+            tf.concat([[global_count], shape[1:]], axis=0), inputs.dtype
+        )
+        kept = original(probe, training=True)[start : start + count]
+        kept = pad_rows(kept, shape[0] - count)
+        return inputs * kept
+
+    return call
+
+
+class _user_losses:
+    """Whether the forward pass adds losses other than regularizers.
+
+    Records `add_loss` calls that do not come from a layer's activity
+    regularizer (which Keras calls, then divides by the batch size, then
+    adds): those are the user's own, of unknown kind (a mean over the batch
+    or a sum). Only while the step is traced (the patches are Python).
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self.found = False
+
+    def __enter__(self):
+        self._patched = []
+        if self._model.__dict__.get("_keras_dist_add_loss_warned"):
+            return self
+        for layer in self._model._flatten_layers(include_self=True):
+            state = {"regularizing": False}
+            original_add = layer.add_loss
+
+            def add_loss(loss, state=state, original_add=original_add):
+                if state["regularizing"]:
+                    state["regularizing"] = False
+                else:
+                    self.found = True
+                return original_add(loss)
+
+            self._patch(layer, "add_loss", add_loss)
+            regularizer = layer.activity_regularizer
+            if regularizer is not None:
+
+                def regularize(x, state=state, regularizer=regularizer):
+                    state["regularizing"] = True
+                    return regularizer(x)
+
+                self._patch(layer, "activity_regularizer", regularize)
+        return self
+
+    def _patch(self, obj, name, value):
+        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        obj.__dict__[name] = value
+
+    def __exit__(self, *exc):
+        for obj, name, old in reversed(self._patched):
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = old
+        return False
+
+
+def _warn_user_losses(model):
+    if model.__dict__.get("_keras_dist_add_loss_warned"):
+        return
+    model.__dict__["_keras_dist_add_loss_warned"] = True
+    warnings.warn(
+        f"Model {model.name!r} adds losses with `add_loss` (other than "
+        "weight and activity regularizers). Under keras_dist's TensorFlow "
+        "MirroredStrategy each replica's loss, `add_loss` values included, "
+        "is weighted by its share of the global batch: exact for a loss "
+        "that is a mean over the batch, but a loss that sums over the batch "
+        "(or counts batch-size-dependent terms) comes out smaller than on "
+        "one device (roughly divided by the replica count), and training "
+        "may differ from one device. Make such losses means over the batch, "
+        "or compute them in an overridden `compute_loss` as a mean.",
+        stacklevel=2,
     )
 
 
@@ -441,7 +578,10 @@ def _loss_step(model, tape, training, data, local_count, global_count):
         x, y, sample_weight, y_pred = tree.map_structure(
             real, (x, y, sample_weight, y_pred)
         )
-        scaling = _no_replica_loss_scaling(model, local_count)
+        weight = tf.math.divide_no_nan(
+            tf.cast(local_count, "float32"), global_count
+        )
+        scaling = _no_replica_loss_scaling(model, weight)
         with scaling, _own_losses(model, y_pred):
             loss = model.compute_loss(
                 x=x,
@@ -451,9 +591,6 @@ def _loss_step(model, tape, training, data, local_count, global_count):
                 training=training,
             )
         loss = tf.convert_to_tensor(loss)
-        weight = tf.math.divide_no_nan(
-            tf.cast(local_count, "float32"), global_count
-        )
         model._loss_tracker.update_state(
             tf.cast(loss, "float32"), sample_weight=local_count
         )
@@ -485,13 +622,18 @@ class _no_replica_loss_scaling:
     (`scale_loss_for_distribution`), and its per-output loss trackers
     multiply back and weight each replica's value by its static batch size
     (unknown in a traced step, so every replica weighs 1). Both are
-    switched off: the per-output trackers weigh each part's mean by its
-    real sample count instead.
+    switched off. On one device Keras's TF trainer weighs each batch's
+    per-output loss by that same static batch size, which is unknown for
+    batches from `tf.data` (arrays included): every batch weighs 1, and
+    the logged per-output loss is the mean of the batches' means (its
+    total `loss`, weighted by `tf.shape`, is not). Here each part's mean
+    weighs its share of the global batch (the shares add up to 1), so
+    each global batch weighs 1 as on one device.
     """
 
-    def __init__(self, model, local_count):
+    def __init__(self, model, share):
         self._model = model
-        self._local_count = local_count
+        self._share = share
 
     def __enter__(self):
         self._scale = loss_module.scale_loss_for_distribution
@@ -507,7 +649,7 @@ class _no_replica_loss_scaling:
 
             def update_state(value, sample_weight=None, original=original):
                 return original(
-                    tf.cast(value, "float32"), sample_weight=self._local_count
+                    tf.cast(value, "float32"), sample_weight=self._share
                 )
 
             self._patched.append(
