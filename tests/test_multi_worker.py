@@ -146,3 +146,107 @@ def test_hung_worker_stops_the_job(tmp_path):
     # The hung worker's peers gave up after the liveness timeout (30 s),
     # not the 3600 s the worker sleeps.
     assert seconds < 240
+
+
+TUTORIAL = """
+import json, os, sys
+import numpy as np
+import tensorflow as tf
+import keras
+import keras_dist
+
+tf_config = json.loads(os.environ["TF_CONFIG"])
+num_workers = len(tf_config["cluster"]["worker"])
+strategy = keras_dist.MultiWorkerMirroredStrategy()
+keras.utils.set_random_seed(strategy.worker_index)  # seeds differ
+global_batch_size = 8 * num_workers
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 6)).astype("float32")
+y = rng.integers(0, 3, size=(96,))
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+dataset = dataset.batch(global_batch_size)
+with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    init = np.load(sys.argv[1])
+    model.set_weights([init[k] for k in init.files])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+model.fit(dataset, epochs=2, steps_per_epoch=5, verbose=0)
+np.savez(sys.argv[2] + f".{strategy.worker_index}.npz", *model.get_weights())
+"""
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF_CONFIG tutorial")
+def test_keras_multi_worker_tutorial_shape(tmp_path):
+    """Workers started by hand, each with its own TF_CONFIG, as in the
+    official Keras multi-worker tutorial (which fails with stock Keras 3:
+    keras-team/keras#20585)."""
+    import tensorflow as tf
+
+    from keras_dist._src.cluster.launcher import free_port
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+    np.savez(tmp_path / "init.npz", *model.get_weights())
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(96,))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+    model.fit(dataset, epochs=2, steps_per_epoch=5, verbose=0)
+
+    script = tmp_path / "tutorial.py"
+    script.write_text(TUTORIAL)
+    workers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    procs = []
+    for index in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("KERAS_DIST_CPU_DEVICES", None)
+        env["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": workers},
+                "task": {"type": "worker", "index": index},
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(script),
+                    str(tmp_path / "init.npz"),
+                    str(tmp_path / "out"),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    for index in range(2):
+        saved = np.load(tmp_path / f"out.{index}.npz")
+        weights = [saved[k] for k in saved.files]
+        assert max_relative_difference(model.get_weights(), weights) <= 1e-5
