@@ -272,7 +272,7 @@ import tensorflow as tf
 
 case = sys.argv[1]
 strategy = make_strategy(2, "off" if case.startswith("off") else "data")
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", 0))  # unset on rank 0 (the launcher)
 with strategy.scope():
     model = build()
     compile_model(model)

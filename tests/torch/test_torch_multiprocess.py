@@ -21,9 +21,8 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
-from keras_dist._src.core.shards import shard_bounds  # noqa: E402
-
 from keras_dist._src.cluster import launcher, supervision  # noqa: E402
+from keras_dist._src.core.shards import shard_bounds  # noqa: E402
 from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
 
 PRELUDE = """
@@ -85,7 +84,7 @@ with open(f"{out}.r{rank}.json", "w") as f:
 FAIL = """
 mode, n = sys.argv[1], int(sys.argv[2])
 strategy = keras_dist.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)])
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", 0))  # unset on rank 0 (the launcher)
 with open(os.path.join(os.path.dirname(__file__), f"pid{rank}"), "w") as f:
     f.write(str(os.getpid()))
 
@@ -211,7 +210,7 @@ PER_RANK_BN = """
 out = sys.argv[1]
 strategy = keras_dist.MirroredStrategy(
     devices=["cpu:0", "cpu:1"], sync_batch_norm=False)
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", 0))  # unset on rank 0 (the launcher)
 keras.utils.set_random_seed(7 + rank)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 8, 8, 1)).astype("float32")
@@ -284,7 +283,7 @@ from keras_dist._src.backends.torch import data_parallel as torch_steps
 
 out = sys.argv[1]
 strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", 0))  # unset on rank 0 (the launcher)
 syncs = []
 original = torch_steps.all_reduce_metric_deltas
 
