@@ -24,8 +24,8 @@ before every step the ranks all-reduce whether they still have a batch and
 how many samples it holds; a rank that has run out takes part with an empty
 batch (zero gradient, no metric update) until every rank is done, so every
 sample is used exactly once and no collective is left unmatched. The step
-(`keras_dist._src.backends.torch.data_parallel`) then does not slice, and weights the local
-mean loss with ``n_local * world / n_global``.
+(`keras_dist._src.backends.torch.data_parallel`) then does not slice, and
+weights the local mean loss with ``n_local * world / n_global``.
 """
 
 from __future__ import annotations
