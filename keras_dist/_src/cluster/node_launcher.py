@@ -6,7 +6,9 @@ which keras_dist reads on every backend; a TensorFlow job on one node also
 gets the ``TF_CONFIG`` tf.distribute needs. Output lines are prefixed with
 the worker's rank, SIGINT and SIGTERM are forwarded to every worker, and
 the first worker that fails stops the others: the launcher then exits with
-that worker's code (so a preemption's exit code reaches the scheduler).
+that worker's code. Workers that stop for preemption (exit code
+`PREEMPTION_EXIT_CODE`, after saving) are not failures: the launcher waits
+for the others and exits with that code, so a scheduler can requeue.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import time
 
 from keras_dist._src.cluster.launcher import ENV_LAUNCHED, free_port
 from keras_dist._src.cluster.supervision import describe_exit, log
+
+#: Exit code of a worker that saved and stopped for preemption (EX_TEMPFAIL);
+#: the same as `keras_dist.callbacks.PREEMPTION_EXIT_CODE`.
+PREEMPTION_EXIT_CODE = 75
 
 #: Seconds between SIGTERM and SIGKILL when the launcher stops workers.
 STOP_GRACE_S = 10.0
@@ -157,12 +163,17 @@ def launch(config: LaunchConfig) -> int:
 
 
 def _supervise(procs: dict, stop: threading.Event) -> int:
+    preempted = False
     while not stop.is_set():
         running = False
         for rank, proc in procs.items():
             code = proc.poll()
             if code is None:
                 running = True
+            elif code == PREEMPTION_EXIT_CODE:
+                # Saved and stopped for preemption: not a failure. The other
+                # workers agreed on the same step and are finishing too.
+                preempted = True
             elif code != 0:
                 log(
                     f"worker rank {rank} {describe_exit(code)}; stopping "
@@ -171,7 +182,7 @@ def _supervise(procs: dict, stop: threading.Event) -> int:
                 _stop_all(procs)
                 return code if code > 0 else 128 - code
         if not running:
-            return 0
+            return PREEMPTION_EXIT_CODE if preempted else 0
         time.sleep(0.2)
     return 1
 
