@@ -54,7 +54,7 @@ history = model.fit(
     batch_size=args.batch_size,
     epochs=args.epochs,
     shuffle=False,
-    verbose=2 if strategy.is_chief else 0,
+    verbose=2,  # only the chief prints
 )
 loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
 if strategy.is_chief:

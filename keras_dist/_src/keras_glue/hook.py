@@ -28,6 +28,7 @@ import functools
 
 from keras_dist._src.context import current_strategy
 from keras_dist._src.core.inputs import check_call_inputs
+from keras_dist._src.keras_glue.callbacks import gate_call_arguments
 
 _WRAPPED_METHODS = (
     "fit",
@@ -194,6 +195,11 @@ def _in_scope(method, strategy, name):
         check_call_inputs(name, method, args, kwargs)
         with strategy._call_scope(name):
             args, kwargs = engine.prepare_call(name, method, args, kwargs)
+            # After the engine's own look at the caller's arguments (which
+            # must be the same on every process).
+            args, kwargs = gate_call_arguments(
+                strategy.is_chief, method, args, kwargs
+            )
             try:
                 return method(*args, **kwargs)
             except StopIteration as error:

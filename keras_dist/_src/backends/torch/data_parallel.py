@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import random
 import time
 import warnings
 
@@ -50,57 +49,14 @@ from keras_dist._src.backends.torch.devices import torch_device
 from keras_dist._src.backends.torch.inputs import DistributedDataset
 from keras_dist._src.backends.torch.runtime import RankFailedError, TorchRuntime
 from keras_dist._src.cluster import supervision
+from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.core.shards import shard_bounds
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import VariablesOutsideScopeError
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
-_CHIEF_ONLY = (
-    keras.callbacks.ModelCheckpoint,
-    keras.callbacks.CSVLogger,
-    keras.callbacks.TensorBoard,
-    keras.callbacks.ProgbarLogger,
-)
-
-
-ALL_RANKS_ATTR = "_keras_dist_all_ranks"
-
 
 # -- call scope helpers -------------------------------------------------------
-def _rng_state_vector() -> np.ndarray:
-    """This process's torch, Python and NumPy global generator states, as
-    one int64 vector (its length is the same on every process)."""
-    version, py_keys, py_gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    floats = np.array(
-        [0.0 if py_gauss is None else py_gauss, np_gauss], np.float64
-    ).view(np.int64)
-    head = [version, int(py_gauss is not None), np_pos, np_has_gauss]
-    return np.concatenate(
-        [
-            np.asarray(head, np.int64),
-            floats,
-            np.asarray(py_keys, np.int64),
-            np.asarray(np_keys, np.int64),
-            torch.get_rng_state().numpy().astype(np.int64),
-        ]
-    )
-
-
-def _set_rng_state_vector(vector: np.ndarray) -> None:
-    version, has_py_gauss, np_pos, np_has_gauss = (int(v) for v in vector[:4])
-    py_gauss, np_gauss = vector[4:6].view(np.float64)
-    py_keys = tuple(int(v) for v in vector[6 : 6 + 625])
-    np_keys = vector[631 : 631 + 624].astype(np.uint32)
-    random.setstate(
-        (version, py_keys, float(py_gauss) if has_py_gauss else None)
-    )
-    np.random.set_state(
-        ("MT19937", np_keys, np_pos, np_has_gauss, float(np_gauss))
-    )
-    torch.set_rng_state(torch.from_numpy(vector[1255:].astype(np.uint8)))
-
-
 def sync_rng_state(engine) -> None:
     """Gives every rank the chief's global random generators.
 
@@ -112,47 +68,13 @@ def sync_rng_state(engine) -> None:
     `keras.utils.set_random_seed`. The chief's generators are left as
     plain Keras leaves them (nothing is drawn from them here).
     """
-    vector = engine.runtime.broadcast(_rng_state_vector(), 0)
-    if not engine.is_chief:
-        _set_rng_state_vector(vector)
-
-
-def _gate(callbacks) -> list:
-    kept = []
-    for callback in callbacks:
-        if getattr(callback, ALL_RANKS_ATTR, False):
-            kept.append(callback)
-        elif isinstance(callback, keras.callbacks.BackupAndRestore):
-            # Other ranks restore from the same backup but never write it.
-            callback._save_model = lambda *a, **k: None
-            callback.on_train_end = lambda *a, **k: None
-            kept.append(callback)
-        elif not isinstance(callback, _CHIEF_ONLY):
-            kept.append(callback)
-    return kept
-
-
-def gate_call_arguments(engine, method, args, kwargs):
-    """On ranks other than 0: no progress bar, no file-writing callbacks.
-
-    Rewrites the arguments of `fit`/`evaluate`/`predict`: ``verbose=0`` and
-    the callbacks without `ModelCheckpoint`, `CSVLogger`, `TensorBoard` and
-    the progress bar; `BackupAndRestore` becomes read-only. A callback with
-    ``_keras_dist_all_ranks = True`` is kept everywhere. On rank 0 the
-    arguments are returned unchanged.
-    """
-    if engine.is_chief:
-        return args, kwargs
-    bound = inspect.signature(method).bind(*args, **kwargs)
-    arguments = bound.arguments
-    if "verbose" in inspect.signature(method).parameters:
-        arguments["verbose"] = 0
-    callbacks = arguments.get("callbacks")
-    if callbacks is not None and not isinstance(
-        callbacks, keras.callbacks.CallbackList
-    ):
-        arguments["callbacks"] = _gate(tree.flatten(callbacks))
-    return bound.args, bound.kwargs
+    replicate_chief_generators(
+        engine.runtime,
+        get_extra=lambda: torch.get_rng_state().numpy(),
+        set_extra=lambda v: torch.set_rng_state(
+            torch.from_numpy(v.astype(np.uint8))
+        ),
+    )
 
 
 _BATCH_HOOKS = {
@@ -1057,7 +979,7 @@ class MirroredEngine:
         args, kwargs = inputs.prepare_arguments(
             self, name, method, args, kwargs
         )
-        return gate_call_arguments(self, method, args, kwargs)
+        return args, kwargs
 
     def _check_other_ranks(self, error) -> None:
         """Turns `error` into `RankFailedError` if another rank failed.
