@@ -44,7 +44,20 @@ BF16_TOLERANCE = 2e-2
 F16_TOLERANCE = 3e-3
 
 # (row, backend) -> why it fails today (issue #8).
-XFAIL: dict[tuple[str, str], str] = {}
+XFAIL: dict[tuple[str, str], str] = {
+    ("train_step_override", "tensorflow"): (
+        "TF MirroredStrategy refuses train_step overrides (NotImplementedError)"
+    ),
+    ("test_predict_step_compute_loss_overrides", "tensorflow"): (
+        "TF MirroredStrategy refuses test_step overrides (NotImplementedError)"
+    ),
+}
+# (row, backend) -> why the row does not apply.
+SKIP = {
+    ("steps_per_execution", "torch"): (
+        "Keras's torch backend refuses steps_per_execution > 1 on one device"
+    ),
+}
 
 ROWS = {}
 
@@ -157,6 +170,7 @@ def _standard(
     batch_size=6,
     epochs=2,
     fit_kwargs=None,
+    evaluate=True,
     **compile_kwargs,
 ):
     compile_kwargs.setdefault("loss", "mse")
@@ -164,6 +178,8 @@ def _standard(
     model = ctx.model(build, optimizer, **compile_kwargs)
     x, y = data if data is not None else _data()
     history = _fit(model, x, y, batch_size, epochs, **(fit_kwargs or {}))
+    if not evaluate:  # a training-only feature: spare two compilations
+        return ctx.results(model, history)
     return ctx.results(model, history, x, y, batch_size)
 
 
@@ -350,7 +366,7 @@ def _class_weight(ctx):
         metrics=["accuracy"],
     )
     history = _fit(model, x, y, class_weight={0: 1.0, 1: 2.0, 2: 0.5})
-    return ctx.results(model, history, x, y)
+    return ctx.results(model, history)
 
 
 @row("validation_split_data_freq")
@@ -438,12 +454,12 @@ def _steps_per_execution(ctx):
 
 @row("jit_compile_false")
 def _no_jit(ctx):
-    return _standard(ctx, jit_compile=False)
+    return _standard(ctx, epochs=1, jit_compile=False)
 
 
 @row("run_eagerly")
 def _eager(ctx):
-    return _standard(ctx, run_eagerly=True)
+    return _standard(ctx, epochs=1, run_eagerly=True)
 
 
 @row("shuffle")
@@ -452,19 +468,19 @@ def _shuffle(ctx):
     x, y = _data()
     keras.utils.set_random_seed(1)
     history = _fit(model, x, y, shuffle=True)
-    return ctx.results(model, history, x, y)
+    return ctx.results(model, history)
 
 
 @row("lstm_gru_embedding")
 def _recurrent(ctx):
     def build():
-        inputs = keras.Input((5,), dtype="int32")
+        inputs = keras.Input((3,), dtype="int32")
         h = keras.layers.Embedding(10, 4)(inputs)
-        h = keras.layers.LSTM(4, return_sequences=True)(h)
-        h = keras.layers.GRU(4)(h)
+        h = keras.layers.LSTM(3, return_sequences=True)(h)
+        h = keras.layers.GRU(3)(h)
         return keras.Model(inputs, keras.layers.Dense(2)(h))
 
-    x = np.random.default_rng(4).integers(0, 10, (12, 5)).astype("int32")
+    x = np.random.default_rng(4).integers(0, 10, (12, 3)).astype("int32")
     return _standard(ctx, build, data=(x, _data()[1]))
 
 
@@ -494,6 +510,25 @@ def _normalization(ctx):
     return _standard(ctx, build)
 
 
+@row("dense_bias_then_batchnorm")
+def _biased_normalization(ctx):
+    """The common Dense (with bias) -> BatchNormalization. The bias's exact
+    gradient is zero, so its value is rounding noise: it is left out of the
+    comparison (it still trains, and must not break the collectives)."""
+
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8)(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("tanh")(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    result = _standard(ctx, build)
+    for key in ("initial", "weights"):
+        del result[key][1]
+    return result
+
+
 class _AddLoss(keras.layers.Layer):
     def call(self, x):
         self.add_loss(0.05 * ops.mean(ops.square(x)))
@@ -513,7 +548,7 @@ def _regularizers(ctx):
         h = _AddLoss()(h)
         return keras.Model(inputs, keras.layers.Dense(2)(h))
 
-    return _standard(ctx, build)
+    return _standard(ctx, build, evaluate=False)
 
 
 @row("stateful_metrics")
@@ -551,7 +586,7 @@ def _optimizer_row(name, **options):
             learning_rate = kwargs.pop("learning_rate", 0.1)
             return keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
 
-        return _standard(ctx, optimizer=optimizer)
+        return _standard(ctx, optimizer=optimizer, evaluate=False)
 
     return run
 
@@ -572,7 +607,7 @@ def _loss_scale(ctx):
     def optimizer():
         return keras.optimizers.LossScaleOptimizer(_sgd())
 
-    return _standard(ctx, optimizer=optimizer)
+    return _standard(ctx, optimizer=optimizer, evaluate=False)
 
 
 @row("on_batch_methods")
@@ -715,6 +750,8 @@ n, out, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 strategy = keras_dist.MirroredStrategy(devices=[f"cpu:{{i}}" for i in range(n)])
 results = {{}}
 for name in names or list(matrix.ROWS):
+    if (name, "torch") in matrix.SKIP:
+        continue
     results[name] = matrix._run_row(
         name, strategy, os.path.join(os.path.dirname(out), f"{{name}}-{{n}}"))
 if os.environ.get("RANK", "0") == "0":
@@ -766,6 +803,8 @@ def _params():
         marks = [pytest.mark.multi_device]
         if BACKEND == "torch":
             marks += [pytest.mark.multi_process, pytest.mark.slow]
+        if (name, BACKEND) in SKIP:
+            marks.append(pytest.mark.skip(reason=SKIP[name, BACKEND]))
         reason = XFAIL.get((name, BACKEND))
         if reason:
             marks.append(
