@@ -285,9 +285,15 @@ class _Writer:
             self.arrays = None
             self.manager.last_write_seconds = time.perf_counter() - start
 
+    def _run_in_background(self) -> None:
+        _lower_priority()
+        self.run()
+
     def start(self) -> _Writer:
         self._thread = threading.Thread(
-            target=self.run, name="keras_dist-checkpoint", daemon=True
+            target=self._run_in_background,
+            name="keras_dist-checkpoint",
+            daemon=True,
         )
         _IN_FLIGHT.add(self)
         self._thread.start()
@@ -311,6 +317,21 @@ class _Writer:
 
 
 _IN_FLIGHT: set = set()
+BACKGROUND_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Gives the calling thread a lower CPU priority (Linux: per thread).
+
+    The background write (checksum, zip CRC, copies into the kernel) then
+    yields the cores to the training step instead of slowing it down.
+    """
+    try:
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, max(current, BACKGROUND_NICE))
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
 
 
 @atexit.register

@@ -19,13 +19,12 @@ import warnings
 
 import numpy as np
 
-PREEMPTION_EXIT_CODE = 75
-"""Exit code of a process stopped for preemption after saving its state.
+from keras_dist._src.cluster.supervision import PREEMPTION_EXIT_CODE
 
-75 is ``EX_TEMPFAIL`` of ``sysexits.h`` ("temporary failure; the user is
-invited to retry"): the job did nothing wrong and should be run again, so
-schedulers can tell it from a failure (exit 1) and requeue it.
-"""
+# PREEMPTION_EXIT_CODE (75) is ``EX_TEMPFAIL`` of ``sysexits.h`` ("temporary
+# failure; the user is invited to retry"): the job did nothing wrong and
+# should run again, so schedulers can tell it from a failure (exit 1) and
+# requeue it. The launcher's supervisor passes it through.
 
 
 class SignalWatcher:

@@ -26,6 +26,10 @@ POLL_SECONDS = float(os.environ.get("KERAS_DIST_POLL_SECONDS", "0.5"))
 
 
 EXIT_CODE = 1
+# A rank that stopped for preemption after the job saved its checkpoint
+# (`keras_dist.callbacks.BackupAndRestore`) exits with EX_TEMPFAIL: not a
+# failure; the job as a whole exits with it too, so that it is requeued.
+PREEMPTION_EXIT_CODE = 75
 ENV_TIMEOUT = "KERAS_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120
 
@@ -69,6 +73,15 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def is_failure(code) -> bool:
+    """Whether a child's exit code (None: still running) is a failure.
+
+    0 and `PREEMPTION_EXIT_CODE` (stopped for preemption, with the job's
+    state saved) are not.
+    """
+    return code is not None and code not in (0, PREEMPTION_EXIT_CODE)
+
+
 class Supervisor:
     """Rank 0's watch over the child processes it started.
 
@@ -77,6 +90,8 @@ class Supervisor:
     `report` (so that the other ranks stop), terminates the remaining
     children and ends rank 0 with a non-zero exit code. At a normal exit of
     rank 0 it waits for the children and exits non-zero if one failed.
+    Children that exit with `PREEMPTION_EXIT_CODE` stopped for preemption
+    (not a failure): rank 0 then exits with that code too.
 
     Args:
         children: ``{rank: Popen}`` of the started processes.
@@ -103,7 +118,7 @@ class Supervisor:
         while not self._stopping.is_set():
             for rank, proc in self.children.items():
                 code = proc.poll()
-                if code is not None and code != 0:
+                if is_failure(code):
                     self.fail(f"rank {rank} {describe_exit(code)}")
                     return
             time.sleep(POLL_SECONDS)
@@ -144,6 +159,7 @@ class Supervisor:
             self._thread.join(self.exit_timeout)
         deadline = time.monotonic() + self.exit_timeout
         failed = []
+        preempted = []
         for rank, proc in self.children.items():
             try:
                 code = proc.wait(max(0.0, deadline - time.monotonic()))
@@ -153,7 +169,9 @@ class Supervisor:
                     f"{self.exit_timeout:.0f} s of rank 0; stopping it."
                 )
                 code = None
-            if code != 0:
+            if code == PREEMPTION_EXIT_CODE:
+                preempted.append(rank)
+            elif code != 0:
                 failed.append(rank)
         self.terminate_children()
         if failed:
@@ -165,6 +183,11 @@ class Supervisor:
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(EXIT_CODE)
+        if preempted:
+            # The ranks stopped together for preemption: so does the job.
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(PREEMPTION_EXIT_CODE)
 
 
 class Watchdog:
