@@ -196,10 +196,29 @@ def test_train_step_override_is_refused_before_training():
         model = build()
         model.compile(optimizer="sgd", loss="mse")
     before = model.get_weights()
-    with pytest.raises(NotImplementedError, match="train_step"):
+    with pytest.raises(NotImplementedError, match="train_step") as error:
         model.fit(x, y, batch_size=5, verbose=0)
+    # The message says what to do instead.
+    for hint in ("compute_loss", "KERAS_BACKEND=jax or torch", "strategy.run"):
+        assert hint in str(error.value)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+class CustomTestStep(keras.Model):
+    def test_step(self, data):
+        return super().test_step(data)
+
+
+def test_test_step_override_is_refused_before_evaluating():
+    x, y = _data()
+    with _strategy(2).scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        model = CustomTestStep(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(NotImplementedError, match="overrides test_step"):
+        model.evaluate(x, y, batch_size=5, verbose=0)
 
 
 # Item 2: mixed_float16 with BatchNormalization.

@@ -181,15 +181,22 @@ class MirroredEngine(_EngineBase):
         if custom_train or custom_test:
             which = "train_step" if custom_train else "test_step"
             message = (
-                f"Model {model.name!r} overrides {which}. keras_dist's "
-                "TensorFlow MirroredStrategy runs its own exact step (each "
-                "replica's loss weighted by its share of the global batch, "
-                "gradients summed before the optimizer) and cannot run an "
-                f"overridden {which} exactly: tf.distribute would run it per "
-                "replica, so its loss would be a mean of per-replica means "
-                "and clipping would see per-replica gradients. Override "
-                "`compute_loss` instead (keras_dist calls it exactly), or "
-                "use a custom training loop (keras_dist's `strategy.run`)."
+                f"Model {model.name!r} overrides {which}, which keras_dist's "
+                "TensorFlow MirroredStrategy cannot run exactly, so it "
+                "refuses to train or evaluate it. keras_dist runs its own "
+                "exact step here (each replica's loss weighted by its share "
+                "of the global batch, gradients summed before the "
+                "optimizer); tf.distribute would run an overridden "
+                f"{which} once per replica, so its loss would be a mean of "
+                "per-replica means, clipping would see per-replica "
+                "gradients, and metrics updated by hand would weigh the "
+                "replicas alike. What to do: override `compute_loss` "
+                "instead (keras_dist calls it exactly, and runs "
+                "`compute_metrics` and any `predict_step` override as "
+                "well), or run this model with the JAX or torch backend "
+                "(KERAS_BACKEND=jax or torch: keras_dist runs overridden "
+                "steps there), or write a custom training loop with "
+                "keras_dist's `strategy.run`."
             )
 
             def refuse(force=False):
