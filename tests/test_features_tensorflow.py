@@ -19,6 +19,9 @@ from keras import ops  # noqa: E402
 import keras_dist  # noqa: E402
 from tests.utils import max_relative_difference  # noqa: E402
 
+# Each test trains on several simulated devices: 10-60 s (full run only).
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
+
 REPLICAS = [2, 3]
 
 
