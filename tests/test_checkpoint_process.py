@@ -44,7 +44,9 @@ BACKEND = keras.backend.backend()
 RANKS = int(os.environ.get("CKPT_RANKS", "1"))
 mode, directory = sys.argv[1], sys.argv[2]
 
-if BACKEND == "torch" and RANKS > 1:
+if os.environ.get("CKPT_STRATEGY") == "multi_worker":
+    strategy = keras_dist.MultiWorkerMirroredStrategy()
+elif BACKEND == "torch" and RANKS > 1:
     strategy = keras_dist.MirroredStrategy([f"cpu:{i}" for i in range(RANKS)])
 elif BACKEND != "torch" and RANKS > 1:
     strategy = keras_dist.MirroredStrategy()
@@ -178,7 +180,7 @@ def relative_difference(path_a, path_b):
 
 
 def interrupt_and_resume(
-    tmp_path, backend, ranks=1, devices=None, to_all=False
+    tmp_path, backend, ranks=1, devices=None, to_all=False, workers=None
 ):
     """Runs the training script, signals it at a random step, restarts
     it; returns the largest relative weight difference to the reference.
@@ -188,21 +190,23 @@ def interrupt_and_resume(
         ranks: replicas (processes on torch, devices on JAX and TF).
         devices: simulated CPU devices (JAX and TF).
         to_all: signal every process of the job, not only the first.
+        workers: run that many workers of a MultiWorkerMirroredStrategy
+            with ``keras-dist launch`` (which forwards the signal to all).
     """
     script = write_script(tmp_path)
     backup = tmp_path / "backup"
     env = env_for(backend, ranks, devices)
+    command = [sys.executable, str(script)]
+    if workers:
+        env.pop("KERAS_DIST_CPU_DEVICES", None)
+        env.update(CKPT_STRATEGY="multi_worker", OMP_NUM_THREADS="1")
+        command = [sys.executable, "-m", "keras_dist.launch"]
+        command += ["--nproc-per-node", str(workers), str(script)]
     at = random.Random().randint(3, 20)  # of 24 steps
     err = open(tmp_path / "first.err", "w")
+    out = []
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(script),
-            "train",
-            backup,
-            tmp_path / "w.npz",
-            tmp_path / "ref.npz",
-        ],
+        [*command, "train", backup, tmp_path / "w.npz", tmp_path / "ref.npz"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=err,
@@ -213,6 +217,8 @@ def interrupt_and_resume(
     sent = None
     try:
         for line in proc.stdout:
+            out.append(line)
+            line = line.removeprefix("[rank 0] ")
             if line.startswith("train step") and int(line.split()[2]) >= at:
                 sent = int(line.split()[2])
                 if to_all:
@@ -225,7 +231,9 @@ def interrupt_and_resume(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         err.close()
-    log = (tmp_path / "first.err").read_text()
+    if proc.stdout is not None:
+        out += proc.stdout.readlines()
+    log = (tmp_path / "first.err").read_text() + "".join(out)
     assert sent is not None, f"training ended before step {at}:\n{log}"
     assert code == PREEMPTION_EXIT_CODE, f"exit {code} (signal at {at}):\n{log}"
     assert "preempted (SIGTERM)" in log
@@ -234,10 +242,18 @@ def interrupt_and_resume(
     step = int(os.path.basename(saved).split("-")[1])
     assert sent <= step <= sent + 2, (sent, step)  # the step in progress
 
-    second = run(script, ["train", backup, tmp_path / "w.npz"], env)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"restored_from {saved}" in second.stdout
-    assert f"resuming from {saved}" in second.stderr
+    second = subprocess.run(
+        [*command, "train", backup, tmp_path / "w.npz"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-3000:]
+    assert f"restored_from {saved}" in output
+    assert f"resuming from {saved}" in output
     assert not backup.exists()  # removed once training finished
     return relative_difference(tmp_path / "ref.npz", tmp_path / "w.npz")
 
@@ -247,6 +263,13 @@ def test_sigterm_then_restart_matches_uninterrupted_run(tmp_path):
     devices = None if BACKEND == "torch" else 2
     ranks = 1 if BACKEND == "torch" else 2
     assert interrupt_and_resume(tmp_path, BACKEND, ranks, devices) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_two_workers_sigterm_then_restart_matches(tmp_path):
+    difference = interrupt_and_resume(tmp_path, BACKEND, workers=2)
+    assert difference <= 1e-6
 
 
 @pytest.mark.slow
