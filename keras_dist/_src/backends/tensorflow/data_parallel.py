@@ -214,7 +214,9 @@ class MirroredEngine(_EngineBase):
             def step(data):
                 return _exact_step(engine, model, data, training=True)
 
-            model.train_function = _make_function(model, step)
+            model.train_function = _split_single_batches(
+                engine, model, _make_function(model, step)
+            )
             return model.train_function
 
         def make_test_function(force=False):
@@ -224,7 +226,9 @@ class MirroredEngine(_EngineBase):
             def step(data):
                 return _exact_step(engine, model, data, training=False)
 
-            model.test_function = _make_function(model, step)
+            model.test_function = _split_single_batches(
+                engine, model, _make_function(model, step)
+            )
             return model.test_function
 
         def make_predict_function(force=False):
@@ -264,6 +268,45 @@ class MirroredEngine(_EngineBase):
         model.train_function = None
         model.test_function = None
 
+    def _distribute_counted_batch(self, batch):
+        """Per-replica parts of a global `batch` in the padded form of
+        keras_dist's own split (`distribute_global_batches`): each part
+        with the global and its own sample count, an empty part as one
+        zero sample."""
+        from keras_dist._src.core.shards import split_batch
+
+        batch = tree.map_structure(
+            lambda t: None if t is None else np.asarray(t), batch
+        )
+        first = next(t for t in tree.flatten(batch) if t is not None)
+        count = np.int32(np.shape(first)[0])
+        parts = []
+        for part in split_batch(batch, self.num_replicas_in_sync):
+            leaves = [t for t in tree.flatten(part) if t is not None]
+            local = np.int32(np.shape(leaves[0])[0])
+            if local == 0:
+                part = tree.map_structure(
+                    lambda t: (
+                        None
+                        if t is None
+                        else np.zeros((1,) + t.shape[1:], t.dtype)
+                    ),
+                    part,
+                )
+            parts.append(
+                {
+                    BATCH_KEY: part,
+                    GLOBAL_COUNT_KEY: count,
+                    LOCAL_COUNT_KEY: local,
+                }
+            )
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: tree.map_structure(
+                lambda t: None if t is None else tf.convert_to_tensor(t),
+                parts[ctx.replica_id_in_sync_group],
+            )
+        )
+
     def _distribute_batch(self, batch):
         """Per-replica parts of a global `batch`; distributed input as is."""
         leaves = tf.nest.flatten(batch)
@@ -286,6 +329,32 @@ class MirroredEngine(_EngineBase):
         if not self._warned:
             self._warned = True
             warnings.warn(message, stacklevel=4)
+
+
+def _split_single_batches(engine, model, function):
+    """`train_on_batch` and `test_on_batch` hand Keras's step function a
+    generator of one whole batch, which tf.distribute would give to every
+    replica (N copies of the batch: exact for the gradient of a mean loss,
+    but not for Dropout's mask, drawn for N times the rows): split it like
+    a global batch of `fit` first.
+
+    The step's logs are then one replica's view of the metrics (its own
+    part's); Keras resets the metrics before these calls, so the metrics'
+    results read here, summed over replicas, are the batch's logs."""
+
+    def split(iterator):
+        if isinstance(
+            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+        ):
+            return function(iterator)
+        iterator = iter([engine._distribute_counted_batch(d) for d in iterator])
+        logs = function(iterator)
+        if not isinstance(logs, dict):
+            return logs
+        results = model.get_metrics_result()
+        return {key: results.get(key, value) for key, value in logs.items()}
+
+    return split
 
 
 def _make_function(model, step):
