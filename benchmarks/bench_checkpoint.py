@@ -91,7 +91,7 @@ def main():
             "async_write",
             "step",
             "step_during_write",
-            "stall",
+            "slowdown_during_write",
             "restore",
         )
     }
