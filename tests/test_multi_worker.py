@@ -112,7 +112,7 @@ with strategy.scope():
     model.compile("sgd", "mse")
 x = np.zeros((64, 4), "float32")
 model.fit(x, x[:, :1], batch_size=4, epochs=50, verbose=0, callbacks=[Die()])
-print("finished", flush=True)
+print("TRAINING DONE", flush=True)
 """
 
 
@@ -121,7 +121,7 @@ def test_killed_worker_stops_the_job(tmp_path):
     script.write_text(KILLED)
     proc, seconds = _launch(["--nproc-per-node", 2, script], tmp_path)
     assert proc.returncode != 0
-    assert "finished" not in proc.stdout
+    assert "TRAINING DONE" not in proc.stdout
     assert "worker rank 1 was killed by SIGKILL" in proc.stderr
     assert seconds < 120
 
@@ -141,7 +141,7 @@ def test_hung_worker_stops_the_job(tmp_path):
     finally:
         del os.environ["KERAS_DIST_TIMEOUT"]
     assert proc.returncode != 0
-    assert "finished" not in proc.stdout
+    assert "TRAINING DONE" not in proc.stdout
     assert "stopping the other workers" in proc.stderr
     # The hung worker's peers gave up after the liveness timeout (30 s),
     # not the 3600 s the worker sleeps.

@@ -269,3 +269,57 @@ class Watchdog:
                 pass
         sys.stdout.flush()
         os._exit(EXIT_CODE)
+
+
+class ProgressWatchdog:
+    """Ends the process when a call makes no progress for `timeout` s.
+
+    For engines whose collectives have no timeout of their own (XLA's CPU
+    collectives on several JAX processes): a worker that hangs (alive, so
+    no heartbeat notices) would leave the others waiting in a collective
+    forever. The engine calls `progress()` at every step and `stop()` when
+    the call ends; after `timeout` seconds without progress the process
+    exits with `EXIT_CODE`, which stops the job (its launcher stops the
+    other workers).
+
+    Args:
+        rank: this process's rank (for the message).
+        timeout: seconds without progress before the process exits.
+    """
+
+    def __init__(self, rank: int, timeout: float):
+        self.rank = rank
+        self.timeout = timeout
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="keras_dist-progress", daemon=True
+        )
+
+    def start(self) -> ProgressWatchdog:
+        """Starts watching; returns self."""
+        self._last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def progress(self) -> None:
+        """Records that a step started or finished."""
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        """Ends the watch and waits for its thread."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(max(1.0, POLL_SECONDS * 4))
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(POLL_SECONDS, self.timeout / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                log(
+                    f"rank {self.rank} stopping: no step finished for "
+                    f"{idle:.0f} s (KERAS_DIST_TIMEOUT={self.timeout:.0f}); "
+                    "another worker is hung or dead."
+                )
+                sys.stdout.flush()
+                os._exit(EXIT_CODE)

@@ -22,6 +22,10 @@ from jax.experimental import multihost_utils
 from keras import tree
 
 from keras_dist._src.backends.jax.data_parallel import MirroredEngine
+from keras_dist._src.cluster.supervision import (
+    ProgressWatchdog,
+    liveness_timeout,
+)
 from keras_dist._src.core.rng import replicate_chief_generators
 
 
@@ -54,6 +58,7 @@ class MultiWorkerEngine(MirroredEngine):
         self.runtime = runtime
         # Predictions and logs must be readable on every process.
         self.predict_out_shardings = (self.replicated, self.replicated)
+        self._watchdog = None
 
     @contextlib.contextmanager
     def scope(self):
@@ -80,8 +85,20 @@ class MultiWorkerEngine(MirroredEngine):
     @contextlib.contextmanager
     def call_scope(self):
         replicate_chief_generators(self.runtime)
-        with super().call_scope():
-            yield
+        # XLA's CPU collectives wait forever for a hung peer: give up after
+        # the liveness timeout without a step.
+        outer = self._watchdog is None
+        if outer:
+            self._watchdog = ProgressWatchdog(
+                self.runtime.rank, liveness_timeout()
+            ).start()
+        try:
+            with super().call_scope():
+                yield
+        finally:
+            if outer:
+                self._watchdog.stop()
+                self._watchdog = None
 
     def attach(self, model) -> None:
         super().attach(model)
@@ -96,6 +113,8 @@ class MultiWorkerEngine(MirroredEngine):
 
     def place_batch(self, batch):
         """Global batch arrays built from every process's copy of it."""
+        if self._watchdog is not None:
+            self._watchdog.progress()  # the previous step has finished
 
         def place(x):
             if x is None:
