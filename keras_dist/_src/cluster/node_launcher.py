@@ -24,11 +24,11 @@ import threading
 import time
 
 from keras_dist._src.cluster.launcher import ENV_LAUNCHED, free_port
-from keras_dist._src.cluster.supervision import describe_exit, log
-
-#: Exit code of a worker that saved and stopped for preemption (EX_TEMPFAIL);
-#: the same as `keras_dist.callbacks.PREEMPTION_EXIT_CODE`.
-PREEMPTION_EXIT_CODE = 75
+from keras_dist._src.cluster.supervision import (
+    PREEMPTION_EXIT_CODE,
+    describe_exit,
+    log,
+)
 
 #: Seconds between SIGTERM and SIGKILL when the launcher stops workers.
 STOP_GRACE_S = 10.0
