@@ -800,9 +800,10 @@ def strategies():
 def _params():
     params = []
     for name in ROWS:
-        marks = [pytest.mark.multi_device]
+        # Slow: three trainings (with their compilations) per row.
+        marks = [pytest.mark.multi_device, pytest.mark.slow]
         if BACKEND == "torch":
-            marks += [pytest.mark.multi_process, pytest.mark.slow]
+            marks.append(pytest.mark.multi_process)
         if (name, BACKEND) in SKIP:
             marks.append(pytest.mark.skip(reason=SKIP[name, BACKEND]))
         reason = XFAIL.get((name, BACKEND))
