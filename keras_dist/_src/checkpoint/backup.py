@@ -63,6 +63,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             without limit.
         exit_on_preemption: exit (``SystemExit(75)``) after the preemption
             save; if False, `fit` returns instead, with `preempted` set.
+        preemption_check_freq: with several processes, agree on stopping
+            every this many steps (one tiny all-reduce each time) and at
+            the end of each epoch. One process checks every step for free.
         delete_checkpoint: delete the backup when `fit` finishes.
     """
 
@@ -81,6 +84,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         grace_period=25.0,
         exit_on_preemption=True,
         delete_checkpoint=True,
+        preemption_check_freq=1,
     ):
         super().__init__()
         if not backup_dir:
@@ -95,6 +99,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "save_freq must be 'epoch', a positive number of steps or "
                 f"False; got {save_freq!r}."
             )
+        if int(preemption_check_freq) < 1:
+            raise ValueError(
+                "preemption_check_freq must be >= 1; got "
+                f"{preemption_check_freq!r}."
+            )
+        self.preemption_check_freq = int(preemption_check_freq)
         if grace_period is not None and grace_period <= 0:
             raise ValueError(f"grace_period must be > 0; got {grace_period}.")
         self.backup_dir = str(backup_dir)
@@ -251,7 +261,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             since = self._global_step - (self._last_saved or 0)
             if since >= self.save_freq:
                 self._save()
-        self._check_preemption()
+        self._check_preemption(
+            agree=self._global_step % self.preemption_check_freq == 0
+        )
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
@@ -289,12 +301,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         self._last_saved = self._global_step
 
-    def _check_preemption(self) -> None:
+    def _check_preemption(self, agree=True) -> None:
         if self._agreement is None or self.preempted:
             return
         if not self.save_on_preemption:
             return
-        if not self._agreement.should_stop(self._global_step):
+        if not self._agreement.should_stop(self._global_step, agree):
             return
         received = self._watcher.received
         self.manager.async_save, was_async = False, self.manager.async_save

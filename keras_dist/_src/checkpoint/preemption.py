@@ -143,14 +143,20 @@ class Agreement:
         self.watcher = watcher
         self.stop_at = None
 
-    def should_stop(self, step: int) -> bool:
-        """Whether to stop after `step` (collective when world_size > 1)."""
+    def should_stop(self, step: int, agree: bool = True) -> bool:
+        """Whether to stop after `step`.
+
+        Args:
+            step: the global step just finished.
+            agree: whether the processes agree now (a collective when
+                world_size > 1; every process must pass the same value).
+        """
         if self.stop_at is None:
             signalled = int(self.watcher.received is not None)
             if self.runtime.world_size == 1:
                 if signalled:
                     self.stop_at = step
-            else:
+            elif agree:
                 packed = np.array([signalled, step, -step], np.int64)
                 flag, high, neg_low = self.runtime.all_reduce(packed, "max")
                 if flag:
