@@ -6,6 +6,14 @@ all-reduce; a device starved of a thread for 40 s aborts the whole process
 ("Termination timeout for all reduce ... Expected 4 threads to join the
 rendezvous"). The training runs in a child process so that such an abort
 fails this test instead of killing pytest.
+
+The model and batch are those of the report (784-512-512-10, batch 256, 32
+steps a fit). The abort came at the start of a later `fit`, with many steps
+still queued. With 16 384 samples (64 steps a fit) under heavy load it
+aborted in 3 of 3 runs without the fix (in the 2nd to 5th fit; Keras's
+`DataParallel` too, 1 of 1) and in 0 of 2 with it; short runs like this
+one did not abort even without the fix: a pass is necessary, not
+sufficient.
 """
 
 from __future__ import annotations
@@ -35,8 +43,8 @@ keras_dist.simulate_cpu_devices(4)
 
 fits, seconds = int(sys.argv[1]), float(sys.argv[2])
 rng = np.random.default_rng(0)
-x = rng.normal(size=(1024, 256)).astype("float32")
-y = rng.integers(0, 10, 1024)
+x = rng.normal(size=(8192, 784)).astype("float32")
+y = rng.integers(0, 10, 8192)
 
 
 class ReadLogs(keras.callbacks.Callback):
@@ -51,7 +59,7 @@ class ReadLogs(keras.callbacks.Callback):
 strategy = keras_dist.MirroredStrategy()
 with strategy.scope():
     model = keras.Sequential([
-        keras.Input((256,)),
+        keras.Input((784,)),
         keras.layers.Dense(512, activation="relu"),
         keras.layers.Dense(512, activation="relu"),
         keras.layers.Dense(10),
