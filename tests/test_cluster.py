@@ -176,3 +176,67 @@ def test_untested_keras_version_warns_once_clearly():
     assert check_keras_version("3.15.1")
     with pytest.warns(UserWarning, match="tested with Keras 3.15"):
         assert not check_keras_version("3.9.2")
+
+
+def test_launch_gives_each_worker_torchrun_variables():
+    from keras_dist._src.cluster import node_launcher
+    from keras_dist._src.cluster.environments import detect_environment
+
+    config = node_launcher.LaunchConfig(
+        command=["train.py"],
+        nproc_per_node=2,
+        nnodes=2,
+        node_rank=1,
+        master_addr="node0",
+        master_port=29400,
+        cpu_devices_per_process=3,
+    )
+    envs = node_launcher.worker_environments(
+        config, base={"KERAS_BACKEND": "jax"}
+    )
+    places = [detect_environment(env) for env in envs]
+    assert [(p.rank, p.local_rank) for p in places] == [(2, 0), (3, 1)]
+    assert {p.world_size for p in places} == {4}
+    assert {p.coordinator_address for p in places} == {"node0:29400"}
+    assert all(env["KERAS_DIST_CPU_DEVICES"] == "3" for env in envs)
+    assert all("TF_CONFIG" not in env for env in envs)
+
+
+def test_launch_on_tensorflow_adds_a_consistent_tf_config():
+    from keras_dist._src.cluster import node_launcher
+    from keras_dist._src.cluster.environments import detect_environment
+
+    config = node_launcher.LaunchConfig(command=["t.py"], nproc_per_node=2)
+    envs = node_launcher.worker_environments(
+        config, base={"KERAS_BACKEND": "tensorflow"}
+    )
+    for rank, env in enumerate(envs):
+        # TF_CONFIG and torchrun's variables agree (no conflict error).
+        place = detect_environment(env)
+        assert (place.source, place.rank, place.world_size) == (
+            "tf_config",
+            rank,
+            2,
+        )
+    assert len(set(place.worker_addresses)) == 2
+
+
+def test_launch_arguments_and_bad_options():
+    import argparse
+
+    from keras_dist._src.cluster import node_launcher
+
+    parser = argparse.ArgumentParser()
+    node_launcher.add_arguments(parser)
+    args = parser.parse_args(
+        ["--nproc-per-node", "2", "train.py", "--epochs", "3"]
+    )
+    config = node_launcher.config_from_args(args)
+    assert config.command == ["train.py", "--epochs", "3"]
+    assert config.nproc_per_node == 2
+    with pytest.raises(ValueError, match="--master-port"):
+        node_launcher.LaunchConfig(["t.py"], nnodes=2).check()
+    with pytest.raises(ValueError, match="--node-rank 3"):
+        node_launcher.LaunchConfig(
+            ["t.py"], nnodes=2, node_rank=3, master_port=1
+        ).check()
