@@ -51,6 +51,10 @@ XFAIL: dict[tuple[str, str], str] = {
     ("test_predict_step_compute_loss_overrides", "tensorflow"): (
         "TF MirroredStrategy refuses test_step overrides (NotImplementedError)"
     ),
+    ("on_batch_methods", "tensorflow"): (
+        "test_on_batch's loss on 5 samples is off by 10% (2 replicas) and "
+        "13% (3 replicas)"
+    ),
 }
 # (row, backend) -> why the row does not apply.
 SKIP = {
