@@ -79,8 +79,9 @@ class CheckpointManager:
         start = time.perf_counter()
         self.wait(model)
         path = os.path.join(self.directory, f"{fmt.PREFIX}{int(step)}")
-        if runtime.is_chief:
+        if runtime.is_chief or _reading_is_collective(runtime):
             arrays = state.snapshot_variables(model)
+        if runtime.is_chief:
             arrays.update(state.capture_rng())
             arrays.update(extra_arrays or {})
             metadata = {
@@ -206,6 +207,18 @@ class CheckpointManager:
             except OSError:
                 pass  # other files live there: leave them
         runtime.barrier("keras_dist/checkpoint/removed")
+
+
+def _reading_is_collective(runtime) -> bool:
+    """Whether reading a variable may need every process (then all read).
+
+    In a TensorFlow multi-worker job, metrics are sync-on-read variables:
+    reading one all-reduces it across workers, so the chief alone would
+    wait forever for the others.
+    """
+    import keras
+
+    return runtime.world_size > 1 and keras.backend.backend() == "tensorflow"
 
 
 def apply(model, arrays: dict, metrics: bool = True) -> None:
