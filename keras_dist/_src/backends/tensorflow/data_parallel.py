@@ -207,29 +207,24 @@ class MirroredEngine(_EngineBase):
             if custom_test:
                 model.__dict__["make_test_function"] = refuse
 
-        def make_train_function(force=False):
-            if model.train_function is not None and not force:
-                return model.train_function
+        def make_step_function(attribute, training):
+            def make(force=False):
+                if getattr(model, attribute) is not None and not force:
+                    return getattr(model, attribute)
 
-            def step(data):
-                return _exact_step(engine, model, data, training=True)
+                def step(data):
+                    return _exact_step(engine, model, data, training=training)
 
-            model.train_function = _split_single_batches(
-                engine, model, _make_function(model, step)
-            )
-            return model.train_function
+                function = _split_single_batches(
+                    engine, model, _make_function(model, step)
+                )
+                setattr(model, attribute, function)
+                return function
 
-        def make_test_function(force=False):
-            if model.test_function is not None and not force:
-                return model.test_function
+            return make
 
-            def step(data):
-                return _exact_step(engine, model, data, training=False)
-
-            model.test_function = _split_single_batches(
-                engine, model, _make_function(model, step)
-            )
-            return model.test_function
+        make_train_function = make_step_function("train_function", True)
+        make_test_function = make_step_function("test_function", False)
 
         def make_predict_function(force=False):
             if model.predict_function is not None and not force:
