@@ -30,6 +30,8 @@ from keras_dist._src.cluster.supervision import (
     log,
 )
 
+#: Signals passed on to every worker (SIGUSR1: SLURM's ``--signal``).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 #: Seconds between SIGTERM and SIGKILL when the launcher stops workers.
 STOP_GRACE_S = 10.0
 
@@ -132,9 +134,7 @@ def launch(config: LaunchConfig) -> int:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    previous = {
-        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)
-    }
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
         for env in worker_environments(config):
             rank = int(env["RANK"])

@@ -1001,7 +1001,7 @@ class MirroredEngine:
             if supervisor is not None:
                 for rank, proc in supervisor.children.items():
                     code = proc.poll()
-                    if code not in (None, 0):
+                    if supervision.is_failure(code):
                         supervisor.fail(
                             f"rank {rank} {supervision.describe_exit(code)}"
                         )
