@@ -4,7 +4,7 @@ Every worker gets torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
 which keras_dist reads on every backend; a TensorFlow job on one node also
 gets the ``TF_CONFIG`` tf.distribute needs. Output lines are prefixed with
-the worker's rank, SIGINT and SIGTERM are forwarded to every worker, and
+the rank, SIGINT, SIGTERM and SIGUSR1 are forwarded to every worker, and
 the first worker that fails stops the others: the launcher then exits with
 that worker's code. Workers that stop for preemption (exit code
 `PREEMPTION_EXIT_CODE`, after saving) are not failures: the launcher waits
