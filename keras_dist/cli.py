@@ -450,8 +450,9 @@ def main(argv=None) -> int:
             "Starts --nproc-per-node workers of this node running a script, "
             "with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT "
             "set (and TF_CONFIG on TensorFlow). Prefixes output lines with "
-            "the rank, forwards SIGINT/SIGTERM/SIGUSR1, and exits non-zero (the "
-            "failed worker's code) when any worker fails, stopping the rest."
+            "the rank, forwards SIGINT/SIGTERM/SIGUSR1, and exits non-zero "
+            "(the failed worker's code) when any worker fails, stopping the "
+            "rest."
         ),
     )
     node_launcher.add_arguments(launch)
