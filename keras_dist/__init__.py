@@ -33,7 +33,7 @@ from keras_dist._src.strategies import (
 from keras_dist._src.strategy import Strategy, get_strategy, has_strategy
 from keras_dist._src.values import PerReplica, ReduceOp
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ClusterConfigError",
