@@ -44,6 +44,10 @@ from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     VariablesOutsideScopeError,
 )
+from keras_dist._src.keras_glue.losses import (
+    warn_user_losses,
+    watch_user_losses,
+)
 from keras_dist._src.values import PerReplica, ReduceOp
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -484,12 +488,12 @@ def _exact_step(engine, model, data, training):
         REPLICA_STATE.dropout = _part_position(context, local_count) + (
             tf.cast(global_count, "int32"),
         )
-    with tf.GradientTape() as tape, _user_losses(model) as user_losses:
+    with tf.GradientTape() as tape, watch_user_losses(model) as user_losses:
         kwargs = {"training": training} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
     REPLICA_STATE.dropout = None
     if user_losses.found:
-        _warn_user_losses(model)
+        warn_user_losses(model)
     return _loss_step(
         model,
         tape,
@@ -552,76 +556,6 @@ def _global_dropout(layer):
         return inputs * kept
 
     return call
-
-
-class _user_losses:
-    """Whether the forward pass adds losses other than regularizers.
-
-    Records `add_loss` calls that do not come from a layer's activity
-    regularizer (which Keras calls, then divides by the batch size, then
-    adds): those are the user's own, of unknown kind (a mean over the batch
-    or a sum). Only while the step is traced (the patches are Python).
-    """
-
-    def __init__(self, model):
-        self._model = model
-        self.found = False
-
-    def __enter__(self):
-        self._patched = []
-        if self._model.__dict__.get("_keras_dist_add_loss_warned"):
-            return self
-        for layer in self._model._flatten_layers(include_self=True):
-            state = {"regularizing": False}
-            original_add = layer.add_loss
-
-            def add_loss(loss, state=state, original_add=original_add):
-                if state["regularizing"]:
-                    state["regularizing"] = False
-                else:
-                    self.found = True
-                return original_add(loss)
-
-            self._patch(layer, "add_loss", add_loss)
-            regularizer = layer.activity_regularizer
-            if regularizer is not None:
-
-                def regularize(x, state=state, regularizer=regularizer):
-                    state["regularizing"] = True
-                    return regularizer(x)
-
-                self._patch(layer, "activity_regularizer", regularize)
-        return self
-
-    def _patch(self, obj, name, value):
-        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        obj.__dict__[name] = value
-
-    def __exit__(self, *exc):
-        for obj, name, old in reversed(self._patched):
-            if old is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = old
-        return False
-
-
-def _warn_user_losses(model):
-    if model.__dict__.get("_keras_dist_add_loss_warned"):
-        return
-    model.__dict__["_keras_dist_add_loss_warned"] = True
-    warnings.warn(
-        f"Model {model.name!r} adds losses with `add_loss` (other than "
-        "weight and activity regularizers). Under keras_dist's TensorFlow "
-        "MirroredStrategy each replica's loss, `add_loss` values included, "
-        "is weighted by its share of the global batch: exact for a loss "
-        "that is a mean over the batch, but a loss that sums over the batch "
-        "(or counts batch-size-dependent terms) comes out smaller than on "
-        "one device (roughly divided by the replica count), and training "
-        "may differ from one device. Make such losses means over the batch, "
-        "or compute them in an overridden `compute_loss` as a mean.",
-        stacklevel=2,
-    )
 
 
 def _loss_step(model, tape, training, data, local_count, global_count):

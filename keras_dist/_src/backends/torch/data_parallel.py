@@ -53,6 +53,10 @@ from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.core.shards import shard_bounds
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import VariablesOutsideScopeError
+from keras_dist._src.keras_glue.losses import (
+    warn_user_losses,
+    watch_user_losses,
+)
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 
@@ -291,6 +295,7 @@ class StepFunctions:
         # Metric values before the first step whose all-reduce is deferred.
         self._unsynced_since = None
         self._in_step = False
+        self._losses_checked = False  # looked for the model's own add_loss
         self.custom = {}
         self._check_weights_agree = False
         self._stand_in = None
@@ -484,8 +489,19 @@ class StepFunctions:
         before = self._metrics_before_step()
         model.zero_grad()
         module = self.ddp if self.ddp is not None else model
-        with self._training_forward():
+        # The first step looks for the model's own `add_loss` terms (a sum
+        # over the batch cannot be made exact: warn once).
+        watch = (
+            contextlib.nullcontext()
+            if self._losses_checked
+            else watch_user_losses(model)
+        )
+        with self._training_forward(), watch:
             y_pred = self._call(module, x, training=True)
+        if not self._losses_checked:
+            self._losses_checked = True
+            if watch.found:
+                warn_user_losses(model)
         if n_local > 0:
             loss = model._compute_loss(
                 x=x,

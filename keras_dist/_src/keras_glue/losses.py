@@ -1,0 +1,88 @@
+"""Losses a model adds itself: the one kind a sharded step cannot make exact.
+
+A term added with `add_loss` may be a mean over the batch (exact when each
+replica's loss is weighted by its share of the global batch) or a sum
+(about 1/N of one device's); the two cannot be told apart, so keras_dist
+warns once per model. Weight and activity regularizers are exact and do not
+warn.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+_MISSING = object()
+
+
+class watch_user_losses:  # noqa: N801 - used as a context manager
+    """Whether the forward pass adds losses other than regularizers.
+
+    Records `add_loss` calls that do not come from a layer's activity
+    regularizer (which Keras calls, then divides by the batch size, then
+    adds): those are the user's own, of unknown kind (a mean over the batch
+    or a sum). Only while it is active: when the step is traced (TF) or
+    for the first step (torch), since the patches are Python.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self.found = False
+
+    def __enter__(self):
+        self._patched = []
+        if self._model.__dict__.get("_keras_dist_add_loss_warned"):
+            return self
+        for layer in self._model._flatten_layers(include_self=True):
+            state = {"regularizing": False}
+            original_add = layer.add_loss
+
+            def add_loss(loss, state=state, original_add=original_add):
+                if state["regularizing"]:
+                    state["regularizing"] = False
+                else:
+                    self.found = True
+                return original_add(loss)
+
+            self._patch(layer, "add_loss", add_loss)
+            regularizer = layer.activity_regularizer
+            if regularizer is not None:
+
+                def regularize(x, state=state, regularizer=regularizer):
+                    state["regularizing"] = True
+                    return regularizer(x)
+
+                self._patch(layer, "activity_regularizer", regularize)
+        return self
+
+    def _patch(self, obj, name, value):
+        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        obj.__dict__[name] = value
+
+    def __exit__(self, *exc):
+        for obj, name, old in reversed(self._patched):
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = old
+        return False
+
+
+def warn_user_losses(model) -> None:
+    """Warns once per model that its own `add_loss` terms may not equal
+    one device's under a multi-replica strategy."""
+    if model.__dict__.get("_keras_dist_add_loss_warned"):
+        return
+    model.__dict__["_keras_dist_add_loss_warned"] = True
+    warnings.warn(
+        f"Model {model.name!r} adds losses with `add_loss` (other than "
+        "weight and activity regularizers). Under a keras_dist strategy "
+        "with several replicas each replica's loss, `add_loss` values "
+        "included, is weighted by its share of the global batch: exact for "
+        "a loss that is a mean over the batch, but a loss that sums over the "
+        "batch "
+        "(or counts batch-size-dependent terms) comes out smaller than on "
+        "one device (roughly divided by the replica count), and training "
+        "may differ from one device. Make such losses means over the batch, "
+        "or compute them in an overridden `compute_loss` as a mean.",
+        stacklevel=2,
+    )

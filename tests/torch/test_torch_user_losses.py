@@ -1,0 +1,66 @@
+"""torch: a model's own `add_loss` terms get one warning (a sum over the
+batch cannot equal one device under sharding); regularizers do not."""
+
+import json
+
+import pytest
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "torch":
+    pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
+
+from tests.utils import run_torch_script  # noqa: E402
+
+SCRIPT = """
+import json, sys, warnings
+import numpy as np
+import keras
+import keras_dist
+
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+
+class SumPenalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))
+        return x
+
+
+def build(own_loss):
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(
+        3,
+        kernel_regularizer="l2",
+        activity_regularizer="l2",
+    )(inputs)
+    if own_loss:
+        h = SumPenalty()(h)
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+x = np.ones((10, 4), "float32")
+results = {}
+for own_loss in (False, True):
+    with strategy.scope():
+        model = build(own_loss)
+        model.compile("sgd", "mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0)
+    results[str(own_loss)] = sum(
+        "add_loss" in str(w.message) for w in caught
+    )
+if strategy.is_chief:
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_own_add_loss_warns_once_regularizers_do_not(tmp_path):
+    out = tmp_path / "warned.json"
+    proc, _ = run_torch_script(tmp_path, SCRIPT, [out], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = json.loads(out.read_text())
+    assert warned == {"False": 0, "True": 1}
