@@ -154,7 +154,7 @@ def from_torchelastic(environ: Mapping[str, str]) -> ClusterEnvironment | None:
     world = _int(environ, "WORLD_SIZE", source)
     rank = _int(environ, "RANK", source)
     local = (
-        _int(environ, "LOCAL_RANK", source) if "LOCAL_RANK" in environ else 0
+        _int(environ, "LOCAL_RANK", source) if environ.get("LOCAL_RANK") else 0
     )
     local_world = (
         _int(environ, "LOCAL_WORLD_SIZE", source)
@@ -199,7 +199,13 @@ def from_tf_config(environ: Mapping[str, str]) -> ClusterEnvironment | None:
             "TF_CONFIG has no 'task' with a 'type' and an 'index', e.g. "
             '{"type": "worker", "index": 0}.'
         )
-    kind, index = task["type"], int(task["index"])
+    kind = task["type"]
+    try:
+        index = int(task["index"])
+    except (TypeError, ValueError):
+        raise ClusterConfigError(
+            f"TF_CONFIG task index {task['index']!r} is not an integer."
+        ) from None
     if kind not in ("chief", "worker"):
         raise ClusterConfigError(
             f"TF_CONFIG task type {kind!r} is not supported by keras_dist's "

@@ -72,7 +72,8 @@ def worker_environments(config: LaunchConfig, base=None) -> list[dict]:
     port = config.master_port or free_port(config.master_addr)
     world = config.nnodes * config.nproc_per_node
     tf_config = None
-    if base.get("KERAS_BACKEND") == "tensorflow" and config.nnodes == 1:
+    backend = base.get("KERAS_BACKEND") or _configured_backend()
+    if backend == "tensorflow" and config.nnodes == 1:
         # tf.distribute's workers each serve on an address of their own.
         addresses = [
             f"{config.master_addr}:{free_port(config.master_addr)}"
@@ -106,6 +107,14 @@ def worker_environments(config: LaunchConfig, base=None) -> list[dict]:
             )
         envs.append(env)
     return envs
+
+
+def _configured_backend() -> str:
+    """The Keras backend workers will use (keras.json's, without
+    KERAS_BACKEND)."""
+    import keras
+
+    return keras.backend.backend()
 
 
 def _pump(stream, rank: int, out) -> None:
@@ -144,6 +153,8 @@ def launch(config: LaunchConfig) -> int:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                encoding="utf-8",
+                errors="replace",  # a stray byte must not stop the pump
                 bufsize=1,
             )
             procs[rank] = proc

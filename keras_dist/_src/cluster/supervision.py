@@ -30,6 +30,9 @@ EXIT_CODE = 1
 # (`keras_dist.callbacks.BackupAndRestore`) exits with EX_TEMPFAIL: not a
 # failure; the job as a whole exits with it too, so that it is requeued.
 PREEMPTION_EXIT_CODE = 75
+#: Seconds the rendezvous store may be unreachable before a rank concludes
+#: that rank 0 died.
+STORE_LOSS_SECONDS = 10.0
 ENV_TIMEOUT = "KERAS_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120
 
@@ -48,12 +51,12 @@ def liveness_timeout() -> int:
     value = os.environ.get(ENV_TIMEOUT, "")
     if not value:
         return DEFAULT_TIMEOUT_S
-    if not value.isdigit() or int(value) < 1:
+    if not value.strip().isdigit() or int(value) < 1:
         raise ValueError(
-            f"{ENV_TIMEOUT}={value!r} is not a positive number of seconds; "
-            "set it to e.g. 120."
+            f"{ENV_TIMEOUT}={value!r} is not a positive whole number of "
+            "seconds; set it to e.g. 120."
         )
-    return int(value)
+    return int(value.strip())
 
 
 def log(message: str) -> None:
@@ -238,18 +241,21 @@ class Watchdog:
             thread.join(timeout)
 
     def _watch(self) -> None:
-        store_failures = 0
+        lost_since = None
         while not self.stopped.wait(POLL_SECONDS):
             if self.watch_parent and os.getppid() != self.parent:
                 self._stop("the launcher process (rank 0) died")
             try:
                 error = self.check_error()
-                store_failures = 0
+                lost_since = None
             except Exception:  # noqa: BLE001 - store unreachable.
                 if self.muted.is_set():
                     return
-                store_failures += 1
-                if store_failures >= 4:
+                # Rank 0 may have just finished normally while this rank
+                # tears down: only a store gone for a while means a death.
+                now = time.monotonic()
+                lost_since = now if lost_since is None else lost_since
+                if now - lost_since >= STORE_LOSS_SECONDS:
                     self._stop(
                         "lost contact with rank 0 (its rendezvous store is "
                         "gone, so rank 0 died or exited)"
@@ -291,6 +297,7 @@ class ProgressWatchdog:
         self.rank = rank
         self.timeout = timeout
         self._last = time.monotonic()
+        self._armed = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._watch, name="keras_dist-progress", daemon=True
@@ -303,8 +310,10 @@ class ProgressWatchdog:
         return self
 
     def progress(self) -> None:
-        """Records that a step started or finished."""
+        """Records that a step started or finished. The watch is armed at
+        the first call: compiling the first step may take long."""
         self._last = time.monotonic()
+        self._armed = True
 
     def stop(self) -> None:
         """Ends the watch and waits for its thread."""
@@ -315,7 +324,7 @@ class ProgressWatchdog:
     def _watch(self) -> None:
         while not self._stopped.wait(min(POLL_SECONDS, self.timeout / 4)):
             idle = time.monotonic() - self._last
-            if idle > self.timeout:
+            if self._armed and idle > self.timeout:
                 log(
                     f"rank {self.rank} stopping: no step finished for "
                     f"{idle:.0f} s (KERAS_DIST_TIMEOUT={self.timeout:.0f}); "

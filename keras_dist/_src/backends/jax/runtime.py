@@ -9,6 +9,8 @@ collectives run on the devices of every process.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import numpy as np
 
@@ -75,12 +77,17 @@ def _initialize(environment: ClusterEnvironment) -> None:
     ):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = liveness_timeout()
+    options = {
+        "initialization_timeout": max(timeout, 300),
+        "heartbeat_timeout_seconds": timeout,
+    }
+    accepted = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(
         coordinator_address=environment.coordinator_address,
         num_processes=environment.world_size,
         process_id=environment.rank,
-        initialization_timeout=max(timeout, 300),
-        heartbeat_timeout_seconds=timeout,
+        # Older JAX releases lack some of these.
+        **{k: v for k, v in options.items() if k in accepted},
     )
 
 

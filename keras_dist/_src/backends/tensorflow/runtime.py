@@ -16,9 +16,8 @@ import itertools
 import numpy as np
 
 from keras_dist._src.cluster.environments import detect_environment
+from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
-
-_BARRIER_TIMEOUT_MS = 24 * 3600 * 1000
 
 
 def _context():
@@ -72,7 +71,7 @@ class TfRuntime(HostRuntime):
     def _barrier(self) -> None:
         sequence = next(self._sequence)
         _context().wait_at_barrier(
-            f"keras_dist/barrier/{sequence}", _BARRIER_TIMEOUT_MS
+            f"keras_dist/barrier/{sequence}", liveness_timeout() * 1000
         )
         self._forget_stale([])
 
