@@ -44,6 +44,7 @@ from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     VariablesOutsideScopeError,
 )
+from keras_dist._src.keras_glue.dropout import draws_per_sample_mask
 from keras_dist._src.keras_glue.losses import (
     warn_user_losses,
     watch_user_losses,
@@ -537,13 +538,7 @@ def _global_dropout(layer):
 
     def call(inputs, training=False):
         position = getattr(REPLICA_STATE, "dropout", None)
-        noise = layer.noise_shape
-        if (
-            not training
-            or position is None
-            or not 0.0 < layer.rate < 1.0
-            or (noise is not None and noise[0] is not None)
-        ):
+        if not training or position is None or not draws_per_sample_mask(layer):
             return original(inputs, training=training)
         start, count, global_count = position
         inputs = tf.convert_to_tensor(inputs)

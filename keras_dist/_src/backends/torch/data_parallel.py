@@ -53,6 +53,7 @@ from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.core.shards import shard_bounds
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import VariablesOutsideScopeError
+from keras_dist._src.keras_glue.dropout import draws_per_sample_mask
 from keras_dist._src.keras_glue.losses import (
     warn_user_losses,
     watch_user_losses,
@@ -248,13 +249,7 @@ def global_dropout(engine, layer, original):
 
     def call(inputs, training=False):
         shard = engine.dropout_shard
-        noise = layer.noise_shape
-        if (
-            not training
-            or shard is None
-            or not 0.0 < layer.rate < 1.0
-            or (noise is not None and noise[0] is not None)
-        ):
+        if not training or shard is None or not draws_per_sample_mask(layer):
             return original(inputs, training=training)
         start, n_global = shard
         n_local = inputs.shape[0]
@@ -265,7 +260,8 @@ def global_dropout(engine, layer, original):
         )
         kept = original(probe, training=True)[start : start + n_local]
         seeded = (
-            noise is not None or layer.seed_generator._initial_seed is not None
+            layer.noise_shape is not None
+            or layer.seed_generator._initial_seed is not None
         )
         if seeded:
             # Keras's seeded path: where(mask, inputs / keep_prob, 0).
