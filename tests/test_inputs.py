@@ -236,6 +236,30 @@ def test_infinite_input_without_steps(small_model):
         small_model.evaluate(infinite, verbose=0)
     history = small_model.fit(infinite, steps_per_epoch=3, verbose=0)
     assert len(history.history["loss"]) == 1
+    data = (np.ones((8, 3)), np.ones((8,)))
+    with pytest.raises(ValueError, match="validation_data.*validation_steps"):
+        small_model.fit(*data, validation_data=infinite, verbose=0)
+    with pytest.raises(ValueError, match="validation_data.*0 samples"):
+        small_model.fit(
+            *data, validation_data=(np.ones((0, 3)), np.ones((0,))), verbose=0
+        )
+
+
+def test_check_input_unit():
+    """The one input check, without a model (every backend calls it)."""
+    import itertools
+
+    from keras_dist._src.core.inputs import check_input
+
+    with pytest.raises(ValueError, match="infinite count.*`steps`"):
+        check_input(itertools.count(), None)
+    with pytest.raises(ValueError, match="infinite repeat"):
+        check_input(itertools.repeat((1, 2)), None)
+    check_input(itertools.repeat((1, 2), 3), None)  # finite
+    check_input(itertools.count(), 5)
+    with pytest.raises(ValueError, match="0 samples"):
+        check_input({"a": np.ones((0, 2))}, None)
+    check_input(np.ones((2, 2)), None)
 
 
 @pytest.mark.fast

@@ -363,11 +363,6 @@ def test_resolve_policy(tmp_path):
     assert inputs.resolve_policy(ShardPolicy.FILE, memory) is data
     assert inputs.resolve_policy(ShardPolicy.FILE, np.ones(3)) is data
     assert inputs.resolve_policy(ShardPolicy.OFF, memory) is ShardPolicy.OFF
-    with pytest.raises(ValueError, match="steps_per_epoch"):
-        inputs.check_input(memory.repeat(), None, None, "steps_per_epoch", "f")
-    inputs.check_input(memory.repeat(), None, 3, "steps_per_epoch", "fit")
-    with pytest.raises(ValueError, match="0 samples"):
-        inputs.check_input(np.ones((0, 2)), None, None, "steps", "predict")
 
 
 # -- real processes ------------------------------------------------------------

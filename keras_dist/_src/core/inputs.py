@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 
 import numpy as np
@@ -41,8 +42,11 @@ _STEPS_ARGUMENT = {
 
 
 def check_call_inputs(name, method, args, kwargs) -> None:
-    """Refuses input that would make `fit`/`evaluate`/`predict` hang or fail
-    obscurely: an empty input, or an infinite one without a step count.
+    """Checks the input arguments of a `fit`/`evaluate`/`predict` call.
+
+    Binds the call to `method`'s signature and runs `check_input` on ``x``
+    and, for `fit`, on ``validation_data``. The one input check of every
+    backend (the hook calls it before the engine sees the call).
 
     Raises:
         ValueError: saying what is wrong with the input and what to do.
@@ -53,8 +57,38 @@ def check_call_inputs(name, method, args, kwargs) -> None:
         bound = inspect.signature(method).bind(*args, **kwargs)
     except TypeError:
         return  # let Keras report the bad call itself
-    x = bound.arguments.get("x")
-    steps = bound.arguments.get(_STEPS_ARGUMENT[name])
+    arguments = bound.arguments
+    steps_name = _STEPS_ARGUMENT[name]
+    check_input(
+        arguments.get("x"),
+        arguments.get(steps_name),
+        steps_name=steps_name,
+        what=f"`{name}`",
+    )
+    validation = arguments.get("validation_data") if name == "fit" else None
+    if validation is not None:
+        vx = validation[0] if isinstance(validation, (tuple, list)) else None
+        check_input(
+            validation if vx is None else vx,
+            arguments.get("validation_steps"),
+            steps_name="validation_steps",
+            what="`validation_data`",
+        )
+
+
+def check_input(x, steps, steps_name: str = "steps", what: str = "the input"):
+    """Refuses an input that would make a Keras loop hang or fail obscurely.
+
+    Args:
+        x: the input (``x`` of the call, or of ``validation_data``).
+        steps: the step count given for it, or None.
+        steps_name: the argument that sets `steps`, for the message.
+        what: what the input is for (``"`fit`"``...), for the message.
+
+    Raises:
+        ValueError: for arrays with 0 samples, a dataset known to yield no
+            batch, or an infinite input without a step count.
+    """
     if x is None:
         return
     leaves = [leaf for leaf in tree.flatten(x) if leaf is not None]
@@ -63,23 +97,22 @@ def check_call_inputs(name, method, args, kwargs) -> None:
             return
         if min(np.shape(leaf)[0] for leaf in leaves) == 0:
             raise ValueError(
-                f"`{name}` got input with 0 samples. Pass at least one "
-                "sample (check the data loading or the split that produced "
-                "it)."
+                f"{what} got input with 0 samples (shape "
+                f"{tuple(np.shape(leaves[0]))}). Pass at least one sample "
+                "(check the data loading or the split that produced it)."
             )
         return
     size = _known_size(x)
     if size == 0:
         raise ValueError(
-            f"`{name}` got a {type(x).__name__} that yields no batch. Pass "
+            f"{what} got a {type(x).__name__} that yields no batch. Pass "
             "a non-empty input (check filters and the data source)."
         )
     if size == math.inf and steps is None:
         raise ValueError(
-            f"`{name}` got an infinite {type(x).__name__} (e.g. from "
-            f"`.repeat()`) and no `{_STEPS_ARGUMENT[name]}`: it would never "
-            f"finish an epoch. Pass `{_STEPS_ARGUMENT[name]}=N`, or make the "
-            "input finite."
+            f"{what} got an infinite {type(x).__name__} (e.g. from "
+            f"`.repeat()`) and no `{steps_name}`: it would never finish an "
+            f"epoch. Pass `{steps_name}=N`, or make the input finite."
         )
 
 
@@ -105,6 +138,13 @@ def _known_size(x):
         except Exception:  # noqa: BLE001 - user code; Keras reports it
             return None
         return math.inf if count is None else count
+    if isinstance(x, (itertools.count, itertools.cycle)):
+        return math.inf
+    if isinstance(x, itertools.repeat):
+        try:
+            return x.__length_hint__()  # repeat(v, n)
+        except TypeError:  # repeat(v): no length, never ends
+            return math.inf
     return None
 
 

@@ -31,7 +31,6 @@ weights the local mean loss with ``n_local * world / n_global``.
 from __future__ import annotations
 
 import inspect
-import itertools
 import re
 
 import numpy as np
@@ -115,50 +114,6 @@ def resolve_policy(policy: ShardPolicy, x) -> ShardPolicy:
 def local_batch_size(global_batch: int, rank: int, world: int) -> int:
     """This rank's share of a global batch (``numpy.array_split`` sizes)."""
     return shard_size(int(global_batch), rank, world)
-
-
-# -- checks -------------------------------------------------------------------
-def _is_infinite(x) -> bool:
-    if is_tf_dataset(x):
-        import tensorflow as tf
-
-        return int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
-    if isinstance(x, data_adapters.py_dataset_adapter.PyDataset):
-        return x.num_batches is None
-    return isinstance(x, (itertools.count, itertools.cycle)) or (
-        isinstance(x, itertools.repeat) and "times" not in repr(x)
-    )
-
-
-def check_input(x, y, steps, steps_name: str, what: str) -> None:
-    """Raises a clear error for an input that cannot give a correct run.
-
-    Args:
-        x: the input (``x`` or the validation data's ``x``).
-        y: the targets, for arrays.
-        steps: the step count given for it (``steps_per_epoch``...).
-        steps_name: the argument that sets it, for the message.
-        what: ``"fit"``, ``"evaluate"``, ``"predict"`` or
-            ``"validation_data"``, for the message.
-
-    Raises:
-        ValueError: for an infinite input without a step count, or arrays
-            without samples.
-    """
-    if steps is None and _is_infinite(x):
-        raise ValueError(
-            f"{what} received an infinite input ({type(x).__name__}) and no "
-            f"`{steps_name}`: the epoch would never end. Pass "
-            f"`{steps_name}=N`, or make the input finite (e.g. drop "
-            "`.repeat()`)."
-        )
-    if array_data_adapter.can_convert_arrays((x, y)):
-        leaves = [a for a in tree.flatten(x) if a is not None]
-        if leaves and int(np.shape(leaves[0])[0]) == 0:
-            raise ValueError(
-                f"{what} received arrays with 0 samples (x has shape "
-                f"{tuple(np.shape(leaves[0]))}). Pass at least one sample."
-            )
 
 
 # -- agreement on the step count ----------------------------------------------
@@ -387,9 +342,10 @@ def _local_input(engine, policy, x, y, sample_weight, batch_size, what, **kw):
 def prepare_arguments(engine, name, method, args, kwargs):
     """Applies the shard policy to the input arguments of `name`.
 
-    Checks the input (`check_input`) and, for ``FILE``/``OFF``, replaces
-    ``x`` (and ``validation_data``) with an `AgreedAdapter` over this rank's
-    share; ``DATA`` input is passed through unchanged.
+    For ``FILE``/``OFF``, replaces ``x`` (and ``validation_data``) with an
+    `AgreedAdapter` over this rank's share; ``DATA`` input is passed through
+    unchanged. (The input was checked before, by
+    `keras_dist._src.core.inputs.check_call_inputs`.)
 
     Args:
         engine: the rank's `MirroredEngine`.
@@ -409,8 +365,6 @@ def prepare_arguments(engine, name, method, args, kwargs):
     x = arguments.get("x")
     y = arguments.get("y")
     sample_weight = arguments.get("sample_weight")
-    steps_name = "steps_per_epoch" if name == "fit" else "steps"
-    check_input(x, y, arguments.get(steps_name), steps_name, name)
     if isinstance(x, data_adapter.DataAdapter):
         return args, kwargs
     policy = resolve_policy(base, x)
@@ -441,13 +395,6 @@ def prepare_arguments(engine, name, method, args, kwargs):
         validation, data_adapter.DataAdapter
     ):
         vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)
-        check_input(
-            vx,
-            vy,
-            arguments.get("validation_steps"),
-            "validation_steps",
-            "validation_data",
-        )
         vpolicy = resolve_policy(base, vx)
         if vpolicy is not ShardPolicy.DATA:
             arguments["validation_data"] = _local_input(
