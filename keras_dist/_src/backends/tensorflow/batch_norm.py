@@ -6,6 +6,8 @@ import threading
 
 import tensorflow as tf
 
+from keras_dist._src.core.batch_norm import global_moments
+
 
 def set_batch_norm_sync(layer, sync: bool) -> None:
     """Gives `layer` global-batch (or per-replica) moments in training.
@@ -15,7 +17,8 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
     Keras 3.15 and TF 2.21), and computes the variance as E[x^2] - E[x]^2.
     This replacement all-reduces sums and counts (so shards of any size,
     including empty ones, are weighted exactly), takes the variance in a
-    second pass around the global mean, and defines the gradient of each
+    second pass around the global mean (`core.batch_norm.global_moments`,
+    the formula torch uses too), and defines the gradient of each
     all-reduce explicitly, so every replica runs the same collectives.
     """
     layer.synchronized = False
@@ -47,41 +50,19 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
 
 
 def _global_moments(context, inputs, axes, valid):
-    """Count-weighted mean and variance over all replicas' samples."""
-    dtype = inputs.dtype
-    x = tf.cast(inputs, "float32")
-    weight = tf.ones_like(x)
+    """Count-weighted moments over all replicas (`core.batch_norm`)."""
+    weight = None
     if valid is not None:
         # The mask is per sample of the step's batch; a layer whose first
         # axis is something else (after a reshape) is left unmasked.
-        mask = expand_like(valid, x)
         weight = tf.cond(
-            tf.equal(tf.shape(valid)[0], tf.shape(x)[0]),
-            lambda: weight * mask,
-            lambda: weight,
+            tf.equal(tf.shape(valid)[0], tf.shape(inputs)[0]),
+            lambda: expand_like(tf.cast(valid, "float32"), inputs),
+            lambda: tf.ones([1] * (inputs.shape.rank or 1), "float32"),
         )
-    sums = tf.stack(
-        [
-            tf.reduce_sum(x * weight, axis=axes),
-            tf.reduce_sum(weight, axis=axes),
-        ]
+    return global_moments(
+        inputs, axes, lambda value: _all_reduce_sum(context, value), weight
     )
-    total = _all_reduce_sum(context, sums)
-    count = total[1]
-    mean = tf.math.divide_no_nan(total[0], count)
-    centered = tf.reduce_sum(
-        weight * tf.square(x - _keep_dims(mean, axes, x.shape.rank)),
-        axis=axes,
-    )
-    variance = tf.math.divide_no_nan(_all_reduce_sum(context, centered), count)
-    return tf.cast(mean, dtype), tf.cast(variance, dtype)
-
-
-def _keep_dims(value, axes, rank):
-    axes = sorted(a % rank for a in axes)
-    for axis in axes:
-        value = tf.expand_dims(value, axis)
-    return value
 
 
 def _all_reduce_sum(context, value):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from keras_dist._src.core.batch_norm import global_moments
+
 
 # -- synchronised BatchNormalization -------------------------------------------
 class _AllReduceSum(torch.autograd.Function):
@@ -25,37 +27,23 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def sync_moments(engine, layer, original):
+    """Returns `layer._moments` with global-batch statistics across ranks.
+
+    The formula is `core.batch_norm.global_moments` (two passes, the one TF
+    uses too), over the rank's auxiliary process group. A rank that runs a
+    stand-in sample for an empty shard (``engine.phantom_shard``) counts for
+    nothing. Masked calls and steps outside training keep Keras's own.
+    """
+
+    def all_reduce_sum(value):
+        return _AllReduceSum.apply(value, engine.aux_group)
+
     def moments(inputs, mask):
         if not engine.bn_sync_active or mask is not None:
             return original(inputs, mask)
-        axes = list(layer._reduction_axes)
-        x = inputs
-        low = x.dtype in (torch.float16, torch.bfloat16)
-        if low:
-            x = x.float()
-        count = 1
-        for a in axes:
-            count *= x.shape[a]
-        local_sum = torch.sum(x, dim=axes)
-        local_sq = torch.sum(torch.square(x), dim=axes)
-        if getattr(engine, "phantom_shard", False):
-            # A stand-in sample for an empty shard counts for nothing.
-            local_sum, local_sq, count = local_sum * 0, local_sq * 0, 0
-        packed = torch.cat(
-            [
-                local_sum.reshape(-1),
-                local_sq.reshape(-1),
-                x.new_tensor([float(count)]),
-            ]
+        weight = 0.0 if getattr(engine, "phantom_shard", False) else None
+        return global_moments(
+            inputs, list(layer._reduction_axes), all_reduce_sum, weight
         )
-        packed = _AllReduceSum.apply(packed, engine.aux_group)
-        c = local_sum.numel()
-        n = packed[-1].clamp_min(1.0)
-        mean = (packed[:c] / n).reshape(local_sum.shape)
-        variance = (packed[c : 2 * c] / n).reshape(local_sum.shape)
-        variance = variance - torch.square(mean)
-        if low:
-            mean, variance = mean.to(inputs.dtype), variance.to(inputs.dtype)
-        return mean, variance
 
     return moments

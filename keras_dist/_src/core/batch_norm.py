@@ -1,0 +1,58 @@
+"""The one formula for global-batch BatchNormalization moments.
+
+Every backend that synchronises BatchNormalization across processes or
+replicas itself (TensorFlow and torch; JAX's jitted step sees the global
+array and lets XLA do it) calls `global_moments` with its own differentiable
+all-reduce. It is written with `keras.ops`, so the same lines run as TF ops
+inside a replica context and as torch ops inside a rank's step.
+
+The variance is taken in two passes, around the global mean
+(``sum(w * (x - mean)^2) / sum(w)``), not as ``E[x^2] - E[x]^2``: the
+latter loses every digit when the mean is large against the spread (inputs
+around 1e4 with unit spread give a variance of 0 or below in float32). The
+cost is a second all-reduce of one value per channel.
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+
+def global_moments(x, axes, all_reduce_sum, weight=None):
+    """Count-weighted mean and variance of `x` over every replica's samples.
+
+    Args:
+        x: this replica's (or rank's) input to the layer.
+        axes: the reduction axes (`BatchNormalization._reduction_axes`).
+        all_reduce_sum: the backend's differentiable all-reduce: takes a
+            float32 tensor and returns its sum over replicas, with the
+            all-reduced upstream gradient as its gradient.
+        weight: optional weight broadcastable against `x`: 1 for a sample
+            that counts, 0 for padding or a stand-in sample of an empty
+            shard. None counts every sample.
+
+    Returns:
+        ``(mean, variance)`` with the reduction axes removed, in `x`'s
+        dtype; computed in float32. A channel with no sample at all on any
+        replica gets 0 for both.
+    """
+    dtype = x.dtype
+    x = ops.cast(x, "float32")
+    w = ops.ones_like(x)
+    if weight is not None:
+        w = w * ops.cast(weight, "float32")
+    first = all_reduce_sum(
+        ops.stack([ops.sum(x * w, axis=axes), ops.sum(w, axis=axes)])
+    )
+    count = first[1]
+    mean = ops.divide_no_nan(first[0], count)
+    centered = ops.sum(w * ops.square(x - _keep_dims(mean, axes, x)), axes)
+    variance = ops.divide_no_nan(all_reduce_sum(centered), count)
+    return ops.cast(mean, dtype), ops.cast(variance, dtype)
+
+
+def _keep_dims(value, axes, x):
+    rank = len(x.shape)
+    for axis in sorted(a % rank for a in axes):
+        value = ops.expand_dims(value, axis)
+    return value

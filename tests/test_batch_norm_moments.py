@@ -1,0 +1,66 @@
+"""The one BatchNormalization moments formula (`core.batch_norm`), unit level.
+
+It runs on every backend through `keras.ops`; the all-reduce is the identity
+here (one replica), so what is checked is the formula itself: two passes,
+weights, dtypes. Global-batch parity with several replicas is checked by the
+parity and feature-matrix tests.
+"""
+
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_dist._src.core.batch_norm import global_moments
+
+pytestmark = pytest.mark.fast
+
+
+def _identity(value):
+    return value
+
+
+def test_variance_is_stable_when_the_mean_dwarfs_the_spread():
+    rng = np.random.default_rng(0)
+    x = (1e4 + rng.standard_normal((256, 3))).astype("float32")
+    mean, variance = global_moments(ops.convert_to_tensor(x), [0], _identity)
+    expected = np.var(x.astype("float64"), axis=0)
+    np.testing.assert_allclose(ops.convert_to_numpy(variance), expected, 1e-3)
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(mean), x.astype("float64").mean(0), 1e-6
+    )
+    # What one pass (E[x^2] - E[x]^2) gives in float32: far off.
+    one_pass = np.mean(x * x, 0) - np.square(np.mean(x, 0))
+    assert np.max(np.abs(one_pass - expected) / expected) > 0.1
+
+
+def test_weights_leave_samples_out_and_empty_gives_zero():
+    x = np.arange(24, dtype="float32").reshape(6, 2, 2)
+    weight = np.array([1, 1, 1, 0, 0, 0], "float32").reshape(6, 1, 1)
+    mean, variance = global_moments(
+        ops.convert_to_tensor(x),
+        [0, 1],
+        _identity,
+        ops.convert_to_tensor(weight),
+    )
+    kept = x[:3].reshape(-1, 2)
+    np.testing.assert_allclose(ops.convert_to_numpy(mean), kept.mean(0), 1e-6)
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(variance), kept.var(0), 1e-5
+    )
+    mean, variance = global_moments(
+        ops.convert_to_tensor(x), [0], _identity, 0.0
+    )
+    assert not np.any(ops.convert_to_numpy(mean))
+    assert not np.any(ops.convert_to_numpy(variance))
+
+
+def test_low_precision_input_keeps_its_dtype():
+    x = ops.convert_to_tensor(np.linspace(-2, 2, 32).reshape(16, 2), "float16")
+    mean, variance = global_moments(x, [0], _identity)
+    assert ops.convert_to_numpy(mean).dtype == np.float16
+    assert ops.convert_to_numpy(variance).dtype == np.float16
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(variance).astype("float32"),
+        np.var(np.linspace(-2, 2, 32).reshape(16, 2), 0),
+        rtol=2e-3,
+    )
