@@ -291,3 +291,19 @@ def test_steps_per_epoch_longer_than_the_data(small_model):
         )
     # Each epoch sees the 2 batches there are, warns, and ends: no hang.
     assert len(history.history["loss"]) == 3
+
+
+def test_distributed_dataset_splits_every_sample_once_over_processes():
+    """The one wrapper: 3 "processes" of 2 replicas each see every sample of
+    every global batch exactly once (batches of 16, 5 and 1 samples)."""
+    from keras_dist._src.core.inputs import DistributedDataset
+
+    x = np.arange(22)
+    batches = [x[:16], x[16:21], x[21:]]
+    seen = []
+    for process in range(3):
+        local = [2 * process, 2 * process + 1]
+        for parts in DistributedDataset(batches, 6, local, list):
+            assert len(parts) == 2
+            seen.extend(int(v) for part in parts for v in part)
+    assert sorted(seen) == list(range(22))

@@ -27,6 +27,39 @@ def iterate_numpy_batches(dataset):
         yield tree.map_structure(np.asarray, batch)
 
 
+class DistributedDataset:
+    """Each global batch of a dataset, split across every replica.
+
+    The one wrapper behind `Strategy.distribute_dataset` (a `tf.data.Dataset`
+    on TensorFlow goes to tf.distribute's own instead). Every global batch is
+    split with `core.shards.split_batch` (``numpy.array_split`` sizes) into
+    `num_replicas` parts, so every sample goes to exactly one replica; this
+    process keeps the parts of `local_replicas` and hands them to `place`,
+    the backend's one job: put them on their devices as the per-replica
+    value its `strategy.run` takes.
+
+    Args:
+        dataset: any input `iterate_numpy_batches` accepts.
+        num_replicas: replicas over every process.
+        local_replicas: the indices (in ``range(num_replicas)``) of this
+            process's replicas, in its device order.
+        place: callable taking the list of this process's parts.
+    """
+
+    def __init__(self, dataset, num_replicas, local_replicas, place):
+        self._dataset = dataset
+        self._num_replicas = int(num_replicas)
+        self._local = list(local_replicas)
+        self._place = place
+
+    def __iter__(self):
+        from keras_dist._src.core.shards import split_batch
+
+        for batch in iterate_numpy_batches(self._dataset):
+            parts = split_batch(batch, self._num_replicas)
+            yield self._place([parts[i] for i in self._local])
+
+
 def _is_tf_dataset(dataset) -> bool:
     module = type(dataset).__module__
     return module.startswith("tensorflow") and hasattr(

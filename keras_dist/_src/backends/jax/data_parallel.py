@@ -27,7 +27,7 @@ from keras.src.backend import StatelessScope
 from keras_dist._src.backends.jax.batch_norm import average_moving_statistics
 from keras_dist._src.backends.jax.devices import BATCH_AXIS, devices_by_name
 from keras_dist._src.backends.jax.inputs import (
-    DistributedDataset,
+    distribute_dataset,
     select_replica,
     stack_outputs,
 )
@@ -98,7 +98,7 @@ class OneDeviceEngine:
         return local_results(value)
 
     def distribute_dataset(self, dataset):
-        return DistributedDataset(dataset, [self._device])
+        return distribute_dataset(dataset, [self._device])
 
 
 class MirroredEngine:
@@ -219,7 +219,7 @@ class MirroredEngine:
         return local_results(value)
 
     def distribute_dataset(self, dataset):
-        return DistributedDataset(dataset, self._jax_devices)
+        return distribute_dataset(dataset, self._jax_devices)
 
 
 class _StepFunctions:

@@ -1,31 +1,26 @@
-"""Per-replica batches of a dataset for custom loops on JAX."""
+"""Per-replica batches and values for custom loops on JAX."""
 
 from __future__ import annotations
 
 import jax
 from keras import tree
 
+from keras_dist._src.core.inputs import DistributedDataset
 from keras_dist._src.values import PerReplica
 
 
-class DistributedDataset:
-    """Splits each global batch of a dataset across replica devices."""
+def distribute_dataset(dataset, devices):
+    """`core.inputs.DistributedDataset` over `devices` (one process)."""
 
-    def __init__(self, dataset, devices):
-        self._dataset = dataset
-        self._devices = devices
-
-    def __iter__(self):
-        from keras_dist._src.core.inputs import iterate_numpy_batches
-        from keras_dist._src.core.shards import split_batch
-
-        for batch in iterate_numpy_batches(self._dataset):
-            parts = split_batch(batch, len(self._devices))
-            placed = [
+    def place(parts):
+        return stack_outputs(
+            [
                 jax.device_put(part, device)
-                for part, device in zip(parts, self._devices)
+                for part, device in zip(parts, devices)
             ]
-            yield stack_outputs(placed)
+        )
+
+    return DistributedDataset(dataset, len(devices), range(len(devices)), place)
 
 
 # -- per-replica helpers ------------------------------------------------------

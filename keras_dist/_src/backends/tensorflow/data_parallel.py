@@ -36,8 +36,8 @@ from keras_dist._src.backends.tensorflow.inputs import (
     COUNT_PER_SAMPLE_KEY,
     GLOBAL_COUNT_KEY,
     LOCAL_COUNT_KEY,
-    DistributedIterable,
     distribute_global_batches,
+    distribute_iterable,
     pad_rows,
 )
 from keras_dist._src.devices import normalize_device
@@ -82,7 +82,7 @@ class _EngineBase:
     def distribute_dataset(self, dataset):
         if isinstance(dataset, tf.data.Dataset):
             return self.tf_strategy.experimental_distribute_dataset(dataset)
-        return DistributedIterable(self, dataset)
+        return distribute_iterable(self, dataset)
 
     def _to_distributed(self, per_replica):
         values = per_replica.values

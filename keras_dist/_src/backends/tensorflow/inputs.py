@@ -9,6 +9,7 @@ from tensorflow.python.data.experimental.ops import (
 )
 
 from keras_dist._src.context import current_call
+from keras_dist._src.core.inputs import DistributedDataset
 
 GLOBAL_COUNT_KEY = "keras_dist_global_count"
 
@@ -137,26 +138,19 @@ def pad_rows(tensor, count):
     return tf.concat([tensor, zeros], axis=0)
 
 
-class DistributedIterable:
-    """Per-replica batches from any iterable of global batches."""
+def distribute_iterable(engine, dataset):
+    """`core.inputs.DistributedDataset` over the engine's replicas, for
+    inputs other than a `tf.data.Dataset` (which tf.distribute distributes).
+    """
+    count = engine.num_replicas_in_sync
 
-    def __init__(self, engine, dataset):
-        self._engine = engine
-        self._dataset = dataset
-
-    def __iter__(self):
-        from keras_dist._src.core.inputs import iterate_numpy_batches
-        from keras_dist._src.core.shards import split_batch
-
-        count = self._engine.num_replicas_in_sync
-        for batch in iterate_numpy_batches(self._dataset):
-            parts = split_batch(batch, count)
-            if count == 1:
-                yield tree.map_structure(tf.convert_to_tensor, parts[0])
-                continue
-            strategy = self._engine.tf_strategy
-            yield strategy.experimental_distribute_values_from_function(
-                lambda ctx, parts=parts: tree.map_structure(
-                    tf.convert_to_tensor, parts[ctx.replica_id_in_sync_group]
-                )
+    def place(parts):
+        if count == 1:
+            return tree.map_structure(tf.convert_to_tensor, parts[0])
+        return engine.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: tree.map_structure(
+                tf.convert_to_tensor, parts[ctx.replica_id_in_sync_group]
             )
+        )
+
+    return DistributedDataset(dataset, count, range(count), place)

@@ -46,7 +46,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dist._src.backends.torch import devices as torch_devices
 from keras_dist._src.backends.torch.batch_norm import sync_moments
 from keras_dist._src.backends.torch.devices import torch_device
-from keras_dist._src.backends.torch.inputs import DistributedDataset
+from keras_dist._src.backends.torch.inputs import distribute_dataset
 from keras_dist._src.backends.torch.runtime import RankFailedError, TorchRuntime
 from keras_dist._src.cluster import supervision
 from keras_dist._src.core.rng import replicate_chief_generators
@@ -893,7 +893,7 @@ class OneDeviceEngine:
         return local_results(value)
 
     def distribute_dataset(self, dataset):
-        return DistributedDataset(dataset, 0, 1)
+        return distribute_dataset(dataset, 0, 1)
 
 
 class MirroredEngine:
@@ -1077,7 +1077,7 @@ class MirroredEngine:
         return local_results(value)
 
     def distribute_dataset(self, dataset):
-        return DistributedDataset(dataset, self.rank, self.world_size)
+        return distribute_dataset(dataset, self.rank, self.world_size)
 
 
 def all_gather_concat(x, axis, group, world_size):

@@ -45,6 +45,7 @@ from keras.src.trainers.data_adapters import (
 )
 
 from keras_dist._src.cluster import supervision
+from keras_dist._src.core.inputs import DistributedDataset
 from keras_dist._src.core.shards import shard_size
 from keras_dist._src.options import ShardPolicy
 
@@ -411,22 +412,14 @@ def prepare_arguments(engine, name, method, args, kwargs):
     return bound.args, bound.kwargs
 
 
-class DistributedDataset:
-    """This rank's shard of each global batch of a dataset."""
+def distribute_dataset(dataset, rank, world_size):
+    """`core.inputs.DistributedDataset`: this rank's part of every batch."""
 
-    def __init__(self, dataset, rank, world_size):
-        self._dataset = dataset
-        self._rank = rank
-        self._world = world_size
+    def place(parts):
+        return tree.map_structure(
+            lambda x: None if x is None else torch.as_tensor(x),
+            parts[0],
+            none_is_leaf=True,
+        )
 
-    def __iter__(self):
-        from keras_dist._src.core.inputs import iterate_numpy_batches
-        from keras_dist._src.core.shards import split_batch
-
-        for batch in iterate_numpy_batches(self._dataset):
-            part = split_batch(batch, self._world)[self._rank]
-            yield tree.map_structure(
-                lambda x: None if x is None else torch.as_tensor(x),
-                part,
-                none_is_leaf=True,
-            )
+    return DistributedDataset(dataset, world_size, [rank], place)
