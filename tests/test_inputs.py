@@ -245,23 +245,6 @@ def test_infinite_input_without_steps(small_model):
         )
 
 
-def test_check_input_unit():
-    """The one input check, without a model (every backend calls it)."""
-    import itertools
-
-    from keras_dist._src.core.inputs import check_input
-
-    with pytest.raises(ValueError, match="infinite count.*`steps`"):
-        check_input(itertools.count(), None)
-    with pytest.raises(ValueError, match="infinite repeat"):
-        check_input(itertools.repeat((1, 2)), None)
-    check_input(itertools.repeat((1, 2), 3), None)  # finite
-    check_input(itertools.count(), 5)
-    with pytest.raises(ValueError, match="0 samples"):
-        check_input({"a": np.ones((0, 2))}, None)
-    check_input(np.ones((2, 2)), None)
-
-
 @pytest.mark.fast
 def test_batches_whose_shapes_or_structure_differ(small_model):
     def shapes():
@@ -291,19 +274,3 @@ def test_steps_per_epoch_longer_than_the_data(small_model):
         )
     # Each epoch sees the 2 batches there are, warns, and ends: no hang.
     assert len(history.history["loss"]) == 3
-
-
-def test_distributed_dataset_splits_every_sample_once_over_processes():
-    """The one wrapper: 3 "processes" of 2 replicas each see every sample of
-    every global batch exactly once (batches of 16, 5 and 1 samples)."""
-    from keras_dist._src.core.inputs import DistributedDataset
-
-    x = np.arange(22)
-    batches = [x[:16], x[16:21], x[21:]]
-    seen = []
-    for process in range(3):
-        local = [2 * process, 2 * process + 1]
-        for parts in DistributedDataset(batches, 6, local, list):
-            assert len(parts) == 2
-            seen.extend(int(v) for part in parts for v in part)
-    assert sorted(seen) == list(range(22))

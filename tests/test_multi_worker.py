@@ -252,3 +252,139 @@ def test_keras_multi_worker_tutorial_shape(tmp_path):
         saved = np.load(tmp_path / f"out.{index}.npz")
         weights = [saved[k] for k in saved.files]
         assert max_relative_difference(model.get_weights(), weights) <= 1e-5
+
+
+POLICIES = """
+import json, os, sys
+import numpy as np
+import tensorflow as tf
+import keras
+import keras_dist
+
+init_path, out, data_dir = sys.argv[1:4]
+strategy = keras_dist.MultiWorkerMirroredStrategy()
+rank = strategy.worker_index
+files = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir))
+
+
+def parse(line):
+    v = tf.strings.to_number(tf.strings.split(line, ","))
+    return v[:6], v[6:7]
+
+
+for policy in ("off", "file"):
+    strategy.extended.shard_policy = keras_dist.ShardPolicy(policy)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)),
+                                  keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        init = np.load(init_path)
+        model.set_weights([init[k] for k in init.files])
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse",
+                      metrics=["mae"])
+    if policy == "off":
+        local = np.load(os.path.join(data_dir, "..", f"off{rank}.npz"))
+        kw = dict(x=local["x"], y=local["y"], batch_size=16)
+    else:
+        names = tf.data.Dataset.from_tensor_slices(files)
+        kw = dict(x=names.interleave(tf.data.TextLineDataset, cycle_length=1)
+                  .map(parse).batch(8))
+    history = model.fit(epochs=3, verbose=0, shuffle=False, **kw)
+    evaluation = model.evaluate(verbose=0, **kw)
+    if strategy.is_chief:
+        np.savez(f"{out}.{policy}.npz", *model.get_weights())
+        with open(f"{out}.{policy}.json", "w") as f:
+            json.dump({"history": history.history, "evaluate": evaluation}, f)
+"""
+
+
+def _global_batches(parts, local):
+    """Step k's global batch: each worker's k-th local batch, worker order."""
+    steps = max(-(-len(y) // local) for _, y in parts)
+    return [
+        tuple(
+            np.concatenate([p[i][k * local : (k + 1) * local] for p in parts])
+            for i in (0, 1)
+        )
+        for k in range(steps)
+    ]
+
+
+def _policy_shares(tmp_path, data_dir):
+    """Each worker's share under OFF (arrays of 50 and 23 samples, batched
+    with 8 of the global 16) and FILE (files of 9, 20, 14 and 6 rows split
+    by file, batched with 4 of the dataset's 8)."""
+    rng = np.random.default_rng(5)
+    off = []
+    for rank, count in enumerate((50, 23)):
+        x = rng.normal(size=(count, 6)).astype("float32")
+        y = x[:, :3].sum(1, keepdims=True) - x[:, 4:5]
+        np.savez(tmp_path / f"off{rank}.npz", x=x, y=y)
+        off.append((x, y))
+    rows = []
+    for i, count in enumerate((9, 20, 14, 6)):
+        values = rng.normal(size=(count, 7)).round(3).astype("float32")
+        values[:, 6] = values[:, :3].sum(1) - values[:, 4]
+        lines = [",".join(f"{v:.3f}" for v in row) for row in values]
+        (data_dir / f"part{i}.csv").write_text("\n".join(lines) + "\n")
+        rows.append(values)
+    files = [np.concatenate(rows[r::2]) for r in (0, 1)]  # auto_shard's split
+    files = [(p[:, :6], p[:, 6:7]) for p in files]
+    return {"off": (off, 8), "file": (files, 4)}
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX gathers FILE/OFF shares")
+def test_file_and_off_policies_between_workers(tmp_path):
+    """Workers with shares of different sizes train as one device does on
+    the global batches the shares make, step by step (JAX gathers every
+    worker's local batch; torch's own test is in tests/torch)."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    shares = _policy_shares(tmp_path, data_dir)
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    np.savez(tmp_path / "init.npz", *model.get_weights())
+    init = model.get_weights()
+
+    script = tmp_path / "policies.py"
+    script.write_text(POLICIES)
+    out = tmp_path / "two"
+    args = ["--nproc-per-node", 2, script, tmp_path / "init.npz", out]
+    proc, _ = _launch([*args, data_dir], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for policy, (parts, local) in shares.items():
+        model.set_weights(init)
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"]
+        )
+        batches = _Batches(_global_batches(parts, local))
+        history = model.fit(batches, epochs=3, verbose=0, shuffle=False)
+        expected = model.evaluate(batches, verbose=0)
+        saved = np.load(f"{out}.{policy}.npz")
+        weights = [saved[k] for k in saved.files]
+        difference = max_relative_difference(model.get_weights(), weights)
+        print(f"{BACKEND} {policy}: max relative {difference:.2e}")
+        assert difference <= 1e-5, policy
+        logs = json.loads(open(f"{out}.{policy}.json").read())
+        for key, values in history.history.items():
+            np.testing.assert_allclose(logs["history"][key], values, rtol=1e-5)
+        np.testing.assert_allclose(logs["evaluate"], expected, rtol=1e-5)
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    @property
+    def num_batches(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]

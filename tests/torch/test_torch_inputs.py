@@ -20,8 +20,6 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
-from keras_dist import ShardPolicy  # noqa: E402
-from keras_dist._src.backends.torch import inputs  # noqa: E402
 from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
 
 PRELUDE = """
@@ -337,32 +335,6 @@ def _compare(tmp_path, names, ranks=2):
             )
         figures[name] = worst
     return figures
-
-
-# -- unit tests (no processes) -------------------------------------------------
-def test_local_batch_size_splits_the_global_batch():
-    for batch in (1, 2, 7, 16):
-        for world in (1, 2, 3):
-            sizes = [
-                inputs.local_batch_size(batch, r, world) for r in range(world)
-            ]
-            assert sizes == [
-                len(p) for p in np.array_split(range(batch), world)
-            ]
-
-
-def test_resolve_policy(tmp_path):
-    tf = pytest.importorskip("tensorflow")
-    path = tmp_path / "rows.txt"
-    path.write_text("1\n2\n")
-    files = tf.data.TextLineDataset([str(path)]).batch(2)
-    memory = tf.data.Dataset.range(4).batch(2)
-    auto, data = ShardPolicy.AUTO, ShardPolicy.DATA
-    assert inputs.resolve_policy(auto, files) is ShardPolicy.FILE
-    assert inputs.resolve_policy(auto, memory) is data
-    assert inputs.resolve_policy(ShardPolicy.FILE, memory) is data
-    assert inputs.resolve_policy(ShardPolicy.FILE, np.ones(3)) is data
-    assert inputs.resolve_policy(ShardPolicy.OFF, memory) is ShardPolicy.OFF
 
 
 # -- real processes ------------------------------------------------------------

@@ -36,6 +36,7 @@ from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     VariablesOutsideScopeError,
 )
+from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 
@@ -385,7 +386,8 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
     if kind == "multi_worker" and runtime.world_size > 1:
         from keras_dist._src.backends.jax.multi_worker import MultiWorkerEngine
 
-        return MultiWorkerEngine(devices, sync_batch_norm, runtime)
+        policy = (input_options or InputOptions()).shard_policy
+        return MultiWorkerEngine(devices, sync_batch_norm, runtime, policy)
     del kind, runtime
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])

@@ -30,91 +30,15 @@ weights the local mean loss with ``n_local * world / n_global``.
 
 from __future__ import annotations
 
-import inspect
-import re
-
 import numpy as np
 import torch
 import torch.distributed as dist
 from keras import tree
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import (
-    array_data_adapter,
-    data_adapter,
-    data_adapter_utils,
-)
 
-from keras_dist._src.cluster import supervision
+from keras_dist._src.core import policies
 from keras_dist._src.core.inputs import DistributedDataset
-from keras_dist._src.core.shards import shard_size
+from keras_dist._src.keras_glue import data as keras_data
 from keras_dist._src.options import ShardPolicy
-
-_FILE_READERS = re.compile(
-    rb"TFRecordDataset|TextLineDataset|FixedLengthRecordDataset"
-)
-_logged: set = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        if not dist.is_initialized() or dist.get_rank() == 0:  # chief only
-            supervision.log(message)
-
-
-# -- classification -----------------------------------------------------------
-def is_tf_dataset(x) -> bool:
-    """Whether `x` is a `tf.data.Dataset` (without importing TensorFlow)."""
-    return data_adapters.is_tf_dataset(x)
-
-
-def is_file_dataset(dataset) -> bool:
-    """Whether a `tf.data.Dataset` reads records from files."""
-    import tensorflow as tf
-
-    try:
-        graph = tf.raw_ops.DatasetToGraphV2(
-            input_dataset=dataset._variant_tensor
-        )
-    except Exception:  # noqa: BLE001 - not serialisable: not file-backed.
-        return False
-    return bool(_FILE_READERS.search(graph.numpy()))
-
-
-def resolve_policy(policy: ShardPolicy, x) -> ShardPolicy:
-    """Returns the policy applied to input `x` (``AUTO``/``FILE`` resolved).
-
-    Args:
-        policy: the strategy's `ShardPolicy`.
-        x: the ``x`` argument of `fit`/`evaluate`/`predict`.
-    """
-    if policy in (ShardPolicy.DATA, ShardPolicy.OFF):
-        return policy
-    file_backed = is_tf_dataset(x) and is_file_dataset(x)
-    if file_backed:
-        if policy is ShardPolicy.AUTO:
-            _log_once(
-                "ShardPolicy.AUTO: the tf.data.Dataset reads files, so each "
-                "rank reads its own files (FILE)."
-            )
-        return ShardPolicy.FILE
-    if policy is ShardPolicy.FILE:
-        _log_once(
-            f"ShardPolicy.FILE: the input ({type(x).__name__}) is not a "
-            "file-backed tf.data.Dataset; falling back to DATA (every rank "
-            "reads all of it and keeps its part of each global batch)."
-        )
-    elif policy is ShardPolicy.AUTO:
-        _log_once(
-            "ShardPolicy.AUTO: sharding the input by DATA (every rank reads "
-            "all of it and keeps its part of each global batch)."
-        )
-    return ShardPolicy.DATA
-
-
-def local_batch_size(global_batch: int, rank: int, world: int) -> int:
-    """This rank's share of a global batch (``numpy.array_split`` sizes)."""
-    return shard_size(int(global_batch), rank, world)
 
 
 # -- agreement on the step count ----------------------------------------------
@@ -154,7 +78,7 @@ class _AgreedIterable(torch.utils.data.IterableDataset):
         return self.adapter.agreed_batches()
 
 
-class AgreedAdapter(data_adapter.DataAdapter):
+class AgreedAdapter(keras_data.DataAdapter):
     """A Keras data adapter over this rank's local batches, in lockstep.
 
     Wraps the Keras adapter of this rank's own input. Before each step the
@@ -279,137 +203,26 @@ class AgreedAdapter(data_adapter.DataAdapter):
 
 
 # -- rewriting the arguments of fit/evaluate/predict --------------------------
-def _global_batch_size(dataset):
-    """The global batch of a batched `tf.data.Dataset`.
-
-    The static batch size tf.distribute computes from the dataset's graph;
-    else the size of its first batch.
-    """
-    from tensorflow.python.data.experimental.ops import distribute
-
-    try:
-        size = int(distribute.compute_batch_size(dataset))
-    except Exception:  # noqa: BLE001 - not computable statically.
-        size = -1
-    if size > 0:
-        return size
-    for batch in dataset.take(1):
-        return _num_samples(batch)
-    return 1
-
-
-def _file_shard(engine, dataset):
-    from tensorflow.python.distribute import input_ops
-
-    world, rank = engine.world_size, engine.rank
-    global_batch = _global_batch_size(dataset)
-    sharded = input_ops.auto_shard_dataset(dataset, world, rank, world)
-    local = local_batch_size(global_batch, rank, world)
-    if local == 0:
-        raise ValueError(
-            f"ShardPolicy.FILE: the global batch ({global_batch}) is smaller "
-            f"than the number of ranks ({world}). Batch the dataset with at "
-            "least one sample per rank."
-        )
-    return sharded.rebatch(local)
-
-
-def _local_input(engine, policy, x, y, sample_weight, batch_size, what, **kw):
-    """Returns an `AgreedAdapter` over this rank's input under `policy`."""
-    if policy is ShardPolicy.FILE:
-        # Keras ignores `batch_size` for datasets: they are batched.
-        x = _file_shard(engine, x)
-    elif array_data_adapter.can_convert_arrays((x, y, sample_weight)):
-        global_batch = batch_size or 32
-        batch_size = local_batch_size(
-            global_batch, engine.rank, engine.world_size
-        )
-        if batch_size == 0:
-            raise ValueError(
-                f"ShardPolicy.OFF: batch_size={global_batch} is the global "
-                f"batch and must be at least the number of ranks "
-                f"({engine.world_size}). Pass a larger batch_size."
-            )
-    inner = data_adapters.get_data_adapter(
-        x=x,
-        y=y,
-        sample_weight=sample_weight,
-        batch_size=batch_size,
-        **kw,
-    )
-    return AgreedAdapter(engine, inner, what)
-
-
 def prepare_arguments(engine, name, method, args, kwargs):
     """Applies the shard policy to the input arguments of `name`.
 
-    For ``FILE``/``OFF``, replaces ``x`` (and ``validation_data``) with an
-    `AgreedAdapter` over this rank's share; ``DATA`` input is passed through
-    unchanged. (The input was checked before, by
-    `keras_dist._src.core.inputs.check_call_inputs`.)
-
-    Args:
-        engine: the rank's `MirroredEngine`.
-        name: ``"fit"``, ``"evaluate"`` or ``"predict"``.
-        method: the model's bound method (for its signature).
-        args: positional arguments of the call.
-        kwargs: keyword arguments of the call.
+    `core.policies.prepare_arguments` with this rank's `AgreedAdapter`.
 
     Returns:
         The new ``(args, kwargs)``.
     """
     options = getattr(engine, "input_options", None)
     base = options.shard_policy if options is not None else ShardPolicy.DATA
-    signature = inspect.signature(method)
-    bound = signature.bind(*args, **kwargs)
-    arguments = bound.arguments
-    x = arguments.get("x")
-    y = arguments.get("y")
-    sample_weight = arguments.get("sample_weight")
-    if isinstance(x, data_adapter.DataAdapter):
-        return args, kwargs
-    policy = resolve_policy(base, x)
-    if policy is not ShardPolicy.DATA:
-        if name == "fit":
-            extra = {
-                "shuffle": arguments.get("shuffle", True),
-                "class_weight": arguments.get("class_weight"),
-                "steps_per_epoch": arguments.get("steps_per_epoch"),
-            }
-        else:
-            extra = {"steps_per_epoch": arguments.get("steps")}
-        arguments["x"] = _local_input(
-            engine,
-            policy,
-            x,
-            y,
-            sample_weight,
-            arguments.get("batch_size"),
-            name,
-            **extra,
-        )
-        for key in ("y", "sample_weight", "class_weight"):
-            if key in arguments and arguments[key] is not None:
-                arguments[key] = None
-    validation = arguments.get("validation_data") if name == "fit" else None
-    if validation is not None and not isinstance(
-        validation, data_adapter.DataAdapter
-    ):
-        vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)
-        vpolicy = resolve_policy(base, vx)
-        if vpolicy is not ShardPolicy.DATA:
-            arguments["validation_data"] = _local_input(
-                engine,
-                vpolicy,
-                vx,
-                vy,
-                vw,
-                arguments.get("validation_batch_size")
-                or arguments.get("batch_size"),
-                "validation_data",
-                steps_per_epoch=arguments.get("validation_steps"),
-            )
-    return bound.args, bound.kwargs
+    return policies.prepare_arguments(
+        name,
+        method,
+        args,
+        kwargs,
+        base,
+        engine.rank,
+        engine.world_size,
+        lambda inner, what: AgreedAdapter(engine, inner, what),
+    )
 
 
 def distribute_dataset(dataset, rank, world_size):

@@ -1,0 +1,70 @@
+"""Unit tests of the shared input code (`core/inputs.py`, `core/policies.py`),
+without a model or processes: they run on every backend."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.fast
+
+
+def test_check_input_unit():
+    """The one input check, without a model (every backend calls it)."""
+    import itertools
+
+    from keras_dist._src.core.inputs import check_input
+
+    with pytest.raises(ValueError, match="infinite count.*`steps`"):
+        check_input(itertools.count(), None)
+    with pytest.raises(ValueError, match="infinite repeat"):
+        check_input(itertools.repeat((1, 2)), None)
+    check_input(itertools.repeat((1, 2), 3), None)  # finite
+    check_input(itertools.count(), 5)
+    with pytest.raises(ValueError, match="0 samples"):
+        check_input({"a": np.ones((0, 2))}, None)
+    check_input(np.ones((2, 2)), None)
+
+
+def test_distributed_dataset_splits_every_sample_once_over_processes():
+    """The one wrapper: 3 "processes" of 2 replicas each see every sample of
+    every global batch exactly once (batches of 16, 5 and 1 samples)."""
+    from keras_dist._src.core.inputs import DistributedDataset
+
+    x = np.arange(22)
+    batches = [x[:16], x[16:21], x[21:]]
+    seen = []
+    for process in range(3):
+        local = [2 * process, 2 * process + 1]
+        for parts in DistributedDataset(batches, 6, local, list):
+            assert len(parts) == 2
+            seen.extend(int(v) for part in parts for v in part)
+    assert sorted(seen) == list(range(22))
+
+
+def test_local_batch_size_splits_the_global_batch():
+    from keras_dist._src.core import policies
+
+    for batch in (1, 2, 7, 16):
+        for world in (1, 2, 3):
+            sizes = [
+                policies.local_batch_size(batch, r, world) for r in range(world)
+            ]
+            assert sizes == [
+                len(p) for p in np.array_split(range(batch), world)
+            ]
+
+
+def test_resolve_policy(tmp_path):
+    from keras_dist import ShardPolicy
+    from keras_dist._src.core import policies
+
+    tf = pytest.importorskip("tensorflow")
+    path = tmp_path / "rows.txt"
+    path.write_text("1\n2\n")
+    files = tf.data.TextLineDataset([str(path)]).batch(2)
+    memory = tf.data.Dataset.range(4).batch(2)
+    auto, data = ShardPolicy.AUTO, ShardPolicy.DATA
+    assert policies.resolve_policy(auto, files) is ShardPolicy.FILE
+    assert policies.resolve_policy(auto, memory) is data
+    assert policies.resolve_policy(ShardPolicy.FILE, memory) is data
+    assert policies.resolve_policy(ShardPolicy.FILE, np.ones(3)) is data
+    assert policies.resolve_policy(ShardPolicy.OFF, memory) is ShardPolicy.OFF
