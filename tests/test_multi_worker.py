@@ -333,11 +333,11 @@ def _policy_shares(tmp_path, data_dir):
     return {"off": (off, 8), "file": (files, 4)}
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="JAX gathers FILE/OFF shares")
+@pytest.mark.skipif(BACKEND == "torch", reason="tests/torch has torch's")
 def test_file_and_off_policies_between_workers(tmp_path):
     """Workers with shares of different sizes train as one device does on
-    the global batches the shares make, step by step (JAX gathers every
-    worker's local batch; torch's own test is in tests/torch)."""
+    the global batches the shares make, step by step (JAX and TF gather
+    every worker's local batch; torch's own test is in tests/torch)."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     shares = _policy_shares(tmp_path, data_dir)

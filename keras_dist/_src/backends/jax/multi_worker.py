@@ -14,9 +14,7 @@ values when they are created and when a model is attached.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import pickle
 
 import jax
 import numpy as np
@@ -29,8 +27,8 @@ from keras_dist._src.cluster.supervision import (
     liveness_timeout,
 )
 from keras_dist._src.core import policies
+from keras_dist._src.core.lockstep import GatheredAdapter
 from keras_dist._src.core.rng import replicate_chief_generators
-from keras_dist._src.keras_glue import data as keras_data
 
 
 def _global_array(value, sharding):
@@ -98,7 +96,9 @@ class MultiWorkerEngine(MirroredEngine):
             self.shard_policy,
             self.runtime.rank,
             self.runtime.world_size,
-            lambda inner, what: GatheredAdapter(self.runtime, inner, what),
+            lambda inner, what: GatheredAdapter(
+                inner, what, self.runtime, _process_allgather
+            ),
         )
 
     @contextlib.contextmanager
@@ -159,140 +159,11 @@ class MultiWorkerEngine(MirroredEngine):
         return tree.map_structure(place, state)
 
 
-def _pad(batch, rows):
-    """`batch` with `rows` zero samples appended to every leaf."""
-
-    def pad(x):
-        if x is None or rows == 0:
-            return x
-        return np.concatenate([x, np.zeros((rows,) + x.shape[1:], x.dtype)])
-
-    return tree.map_structure(pad, batch, none_is_leaf=True)
-
-
-class GatheredAdapter(keras_data.DataAdapter):
-    """Global batches assembled from every process's local batches.
-
-    For shard policies FILE and OFF on JAX: `inner` is Keras's adapter over
-    this process's share. Before each step the processes all-gather how
-    many samples each holds; when none has a batch, iteration ends on every
-    process at once. Each local batch is padded to the largest, gathered
-    with `multihost_utils.process_allgather`, and the padding dropped, so
-    step ``k``'s global batch is every process's ``k``-th local batch in
-    process order (a process that ran out adds nothing) and every process
-    holds it, as under DATA. Costs one all-gather of the batch a step.
-
-    Args:
-        runtime: the job's Runtime (for the structure of an empty share).
-        inner: the Keras `DataAdapter` of this process's input.
-        what: what the input is for, used in error messages.
-    """
-
-    def __init__(self, runtime, inner, what: str):
-        self.runtime = runtime
-        self.inner = inner
-        self.what = what
-        self._template = None
-        count = inner.num_batches
-        known = np.array([count is not None, count or 0], np.int64)
-        gathered = multihost_utils.process_allgather(known)
-        self._num_batches = (
-            int(gathered[:, 1].max()) if gathered[:, 0].all() else None
-        )
-
-    def _global_batches(self):
-        iterator = iter(self.inner.get_numpy_iterator())
-        exhausted, first = False, True
-        while True:
-            batch = None
-            if not exhausted:
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    exhausted = True
-            if batch is not None:
-                batch = tree.map_structure(
-                    lambda x: None if x is None else np.asarray(x),
-                    batch,
-                    none_is_leaf=True,
-                )
-                if self._template is None:
-                    self._template = tree.map_structure(
-                        lambda x: None if x is None else x[:0],
-                        batch,
-                        none_is_leaf=True,
-                    )
-            n_local = 0 if batch is None else policies.num_samples(batch)
-            state = np.array([n_local, self._template is None], np.int64)
-            sizes, lacking = multihost_utils.process_allgather(state).T
-            if not sizes.any():
-                if first:
-                    raise ValueError(
-                        f"The input of {self.what} yielded no batch on any "
-                        "worker (an empty data set). Pass at least one "
-                        "sample."
-                    )
-                return
-            first = False
-            if lacking.any():
-                self._share_template()
-            local = self._template if batch is None else batch
-            padded = _pad(local, int(sizes.max()) - n_local)
-            gathered = multihost_utils.process_allgather(padded)
-
-            yield tree.map_structure(
-                lambda x, sizes=sizes: (
-                    None
-                    if x is None
-                    else np.concatenate([x[w, :n] for w, n in enumerate(sizes)])
-                ),
-                gathered,
-                none_is_leaf=True,
-            )
-
-    def _share_template(self):
-        """Gives a process that has had no batch the others' structure."""
-        mine = "" if self._template is None else _encode(self._template)
-        theirs = [t for t in self.runtime.all_gather(mine) if t]
-        if self._template is None:
-            self._template = pickle.loads(base64.b64decode(theirs[0]))
-
-    def get_numpy_iterator(self):
-        """Yields the global batches (NumPy), the same on every process."""
-        return self._global_batches()
-
-    def get_jax_iterator(self):
-        """Yields the global batches (NumPy; the engine places them)."""
-        return self._global_batches()
-
-    def get_tf_dataset(self):
-        raise NotImplementedError("GatheredAdapter is for the JAX backend.")
-
-    def get_torch_dataloader(self):
-        raise NotImplementedError("GatheredAdapter is for the JAX backend.")
-
-    @property
-    def num_batches(self):
-        return self._num_batches
-
-    @property
-    def batch_size(self):
-        return self.inner.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
-
-    def on_epoch_begin(self):
-        self.inner.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self.inner.on_epoch_end()
-
-
-def _encode(template) -> str:
-    return base64.b64encode(pickle.dumps(template)).decode("ascii")
+def _process_allgather(arrays) -> list:
+    """Every process's `arrays` (same shapes everywhere), in process order,
+    through JAX's own collective."""
+    stacked = multihost_utils.process_allgather(arrays)
+    return [
+        tree.map_structure(lambda x, w=w: x[w], stacked)
+        for w in range(jax.process_count())
+    ]

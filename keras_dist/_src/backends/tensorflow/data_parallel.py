@@ -49,6 +49,7 @@ from keras_dist._src.keras_glue.losses import (
     warn_user_losses,
     watch_user_losses,
 )
+from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -436,7 +437,8 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
             MultiWorkerEngine,
         )
 
-        return MultiWorkerEngine(devices, sync_batch_norm, runtime)
+        policy = (input_options or InputOptions()).shard_policy
+        return MultiWorkerEngine(devices, sync_batch_norm, runtime, policy)
     del kind, runtime
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])

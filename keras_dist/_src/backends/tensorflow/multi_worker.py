@@ -23,6 +23,8 @@ from keras_dist._src.backends.tensorflow.inputs import (
 )
 from keras_dist._src.cluster.environments import ClusterConfigError
 from keras_dist._src.cluster.supervision import liveness_timeout
+from keras_dist._src.core import policies
+from keras_dist._src.core.lockstep import GatheredAdapter
 
 
 def _cluster_resolver(environment):
@@ -90,8 +92,9 @@ def new_strategy(environment):
 class MultiWorkerEngine(MirroredEngine):
     """`MirroredEngine` over a tf.distribute MultiWorkerMirroredStrategy."""
 
-    def __init__(self, devices, sync_batch_norm: bool, runtime):
+    def __init__(self, devices, sync_batch_norm: bool, runtime, policy):
         # No MirroredStrategy of its own: the multi-worker one replaces it.
+        self.shard_policy = policy
         self.devices = tuple(devices)
         self.sync_batch_norm = sync_batch_norm
         self.runtime = runtime
@@ -99,3 +102,24 @@ class MultiWorkerEngine(MirroredEngine):
         # ops before TensorFlow initialises (before devices are listed).
         self.tf_strategy = runtime.tf_strategy
         self._warned = False
+
+    def prepare_call(self, name, method, args, kwargs):
+        """FILE/OFF input: each worker reads its share (`core.policies`)
+        and `GatheredAdapter` assembles the global batches through the
+        coordination service (a channel of its own per input, since
+        tf.data iterates it on its own threads)."""
+
+        def wrap(inner, what):
+            channel = self.runtime.channel("input")
+            return GatheredAdapter(inner, what, channel, channel.all_gather)
+
+        return policies.prepare_arguments(
+            name,
+            method,
+            args,
+            kwargs,
+            self.shard_policy,
+            self.runtime.rank,
+            self.runtime.world_size,
+            wrap,
+        )

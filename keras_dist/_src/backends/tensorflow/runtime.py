@@ -26,28 +26,32 @@ def _context():
     return context.context()
 
 
-class TfRuntime(HostRuntime):
+class _StoreRuntime(HostRuntime):
     """Host-value collectives through the coordination service's store.
 
     Every process makes the same collectives in the same order, so the
-    n-th one uses keys numbered n. A process's keys are deleted once every
-    process is known to have read them (after the next gather or barrier).
+    n-th one uses keys numbered n (under this runtime's `prefix`). A
+    process's keys are deleted once every process is known to have read
+    them (after the next gather or barrier).
     """
 
-    def __init__(self, environment):
+    def __init__(self, environment, prefix: str = "keras_dist"):
         super().__init__(environment)
-        from keras_dist._src.backends.tensorflow.multi_worker import (
-            new_strategy,
-        )
-
-        # Joins the job: starts this worker's server and the coordination
-        # service, before TensorFlow lists its devices.
-        self.tf_strategy = new_strategy(environment)
+        self._prefix = prefix
         self._sequence = itertools.count()
         self._stale: list[str] = []
+        self._channels = itertools.count()
+
+    def channel(self, name: str) -> _StoreRuntime:
+        """An independent runtime of the same processes, with keys of its
+        own: collectives made from another thread (an input pipeline's)
+        never interleave with this one's. Every process must open its
+        channels in the same order."""
+        number = next(self._channels)
+        return _StoreRuntime(self.environment, f"{self._prefix}/{name}{number}")
 
     def _key(self, sequence: int, rank: int) -> str:
-        return f"keras_dist/{sequence}/{rank}"
+        return f"{self._prefix}/{sequence}/{rank}"
 
     def _put(self, key: str, flat: np.ndarray) -> None:
         payload = (
@@ -71,7 +75,7 @@ class TfRuntime(HostRuntime):
     def _barrier(self) -> None:
         sequence = next(self._sequence)
         _context().wait_at_barrier(
-            f"keras_dist/barrier/{sequence}", liveness_timeout() * 1000
+            f"{self._prefix}/barrier/{sequence}", liveness_timeout() * 1000
         )
         self._forget_stale([])
 
@@ -101,6 +105,21 @@ class TfRuntime(HostRuntime):
         return {"sum": np.sum, "max": np.max, "min": np.min}[op](
             stacked, axis=0
         )
+
+
+class TfRuntime(_StoreRuntime):
+    """The Runtime of a TensorFlow multi-worker job: joins it by creating
+    tf.distribute's MultiWorkerMirroredStrategy (`tf_strategy`)."""
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        from keras_dist._src.backends.tensorflow.multi_worker import (
+            new_strategy,
+        )
+
+        # Joins the job: starts this worker's server and the coordination
+        # service, before TensorFlow lists its devices.
+        self.tf_strategy = new_strategy(environment)
 
 
 def create_runtime(kind, devices, environment=None):
