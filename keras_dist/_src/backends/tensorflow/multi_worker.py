@@ -15,7 +15,7 @@ its logical CPUs. keras_dist's strategy lists the simulated CPU devices
 instead (`keras_dist.simulate_cpu_devices`, ``KERAS_DIST_CPU_DEVICES``,
 ``keras-dist launch --cpu-devices-per-process``), through a subclass of
 tf.distribute's `CollectiveAllReduceExtended`, so that 2 workers with 2
-simulated CPUs each train 4 replicas.
+simulated CPUs each train 4 replicas. Every worker needs the same count.
 """
 
 from __future__ import annotations
@@ -158,3 +158,18 @@ class MultiWorkerEngine(MirroredEngine):
         # ops before TensorFlow initialises (before devices are listed).
         self.tf_strategy = runtime.tf_strategy
         self._warned = False
+        _check_same_device_count(self.tf_strategy, runtime)
+
+
+def _check_same_device_count(strategy, runtime):
+    """Raises on every worker unless all workers have as many replicas
+    (tf.distribute counts this worker's devices times the worker count)."""
+    counts = runtime.all_gather(len(strategy.extended.worker_devices))
+    if len(set(counts)) > 1:
+        raise ClusterConfigError(
+            "Every TensorFlow worker needs the same number of devices; "
+            f"the workers have {counts} (in rank order). Give each worker "
+            "as many GPUs, or the same simulated CPU count "
+            "(KERAS_DIST_CPU_DEVICES or keras-dist launch "
+            "--cpu-devices-per-process)."
+        )
