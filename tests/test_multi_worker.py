@@ -55,7 +55,7 @@ def _launch(args, tmp_path, timeout=300):
 
 
 @pytest.mark.parametrize(
-    "devices_per_worker", [1, 2] if BACKEND == "jax" else [1]
+    "devices_per_worker", [1] if BACKEND == "torch" else [1, 2]
 )
 def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
     keras.utils.set_random_seed(7)
@@ -388,3 +388,44 @@ class _Batches(keras.utils.PyDataset):
 
     def __getitem__(self, i):
         return self.batches[i]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF_CONFIG workers")
+def test_workers_with_different_device_counts_are_refused(tmp_path):
+    """tf.distribute counts this worker's devices times the worker count:
+    workers with 2 and 1 simulated CPUs would disagree on the replicas."""
+    from keras_dist._src.cluster.launcher import free_port
+
+    script = tmp_path / "counts.py"
+    script.write_text(
+        "import keras_dist\nkeras_dist.MultiWorkerMirroredStrategy()\n"
+    )
+    workers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    procs = []
+    for index, devices in enumerate((2, 1)):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env["KERAS_DIST_CPU_DEVICES"] = str(devices)
+        env["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": workers},
+                "task": {"type": "worker", "index": index},
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=200)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode != 0, out[-3000:]
+        assert "the workers have [2, 1]" in out, out[-3000:]

@@ -9,6 +9,13 @@ gives the Runtime its key-value store and barrier. Variables take the
 chief's initial values (tf.distribute broadcasts them from worker 0). The
 step and the exact input splitting are the single-host engine's; each
 global batch is split over all replicas of all workers.
+
+Without a GPU, tf.distribute gives each worker one CPU replica, whatever
+its logical CPUs. keras_dist's strategy lists the simulated CPU devices
+instead (`keras_dist.simulate_cpu_devices`, ``KERAS_DIST_CPU_DEVICES``,
+``keras-dist launch --cpu-devices-per-process``), through a subclass of
+tf.distribute's `CollectiveAllReduceExtended`, so that 2 workers with 2
+simulated CPUs each train 4 replicas. Every worker needs the same count.
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ from __future__ import annotations
 import json
 
 import tensorflow as tf
+from tensorflow.python.distribute import (
+    collective_all_reduce_strategy as tf_collective,
+)
+from tensorflow.python.distribute import distribute_lib
 
 from keras_dist._src.backends.tensorflow.data_parallel import MirroredEngine
 from keras_dist._src.backends.tensorflow.inputs import (
@@ -66,6 +77,53 @@ def _reduce(self, reduce_op, value, axis):
     return base(self, reduce_op, value, axis=axis)
 
 
+def simulated_cpu_count() -> int:
+    """The logical CPU devices this process was split into (1 if none).
+
+    Counted from the logical device configuration: once a multi-worker
+    job has started, TensorFlow's logical device list holds every worker's
+    devices.
+    """
+    cpus = tf.config.list_physical_devices("CPU")
+    if not cpus:
+        return 1
+    configuration = tf.config.get_logical_device_configuration(cpus[0])
+    return len(configuration) if configuration else 1
+
+
+class _CollectiveExtended(tf_collective.CollectiveAllReduceExtended):
+    """tf.distribute's multi-worker implementation, with a replica on each
+    simulated CPU device of a worker without GPUs (tf.distribute's own
+    rule is one CPU replica per worker). GPUs and TPUs are left as
+    tf.distribute finds them."""
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, kind = super()._initialize_local_devices(
+            cluster_resolver, worker_device
+        )
+        if kind == "CPU":
+            devices = tuple(
+                f"{worker_device}/device:CPU:{i}"
+                for i in range(simulated_cpu_count())
+            )
+        return devices, kind
+
+
+def _init(self, cluster_resolver=None, communication_options=None):
+    """`MultiWorkerMirroredStrategy.__init__` with `_CollectiveExtended`."""
+    options = communication_options
+    if options is None:
+        options = tf.distribute.experimental.CommunicationOptions()
+    distribute_lib.Strategy.__init__(
+        self,
+        _CollectiveExtended(
+            self,
+            cluster_resolver=cluster_resolver,
+            communication_options=options,
+        ),
+    )
+
+
 def new_strategy(environment):
     """A MultiWorkerMirroredStrategy of keras_dist's for `environment`."""
     global _created
@@ -75,6 +133,7 @@ def new_strategy(environment):
         "MultiWorkerMirroredStrategy",
         (tf.distribute.MultiWorkerMirroredStrategy,),
         {
+            "__init__": _init,
             "_keras_dist": True,
             "_native_distribute": (
                 tf.distribute.MultiWorkerMirroredStrategy
@@ -102,6 +161,7 @@ class MultiWorkerEngine(MirroredEngine):
         # ops before TensorFlow initialises (before devices are listed).
         self.tf_strategy = runtime.tf_strategy
         self._warned = False
+        _check_same_device_count(self.tf_strategy, runtime)
 
     def prepare_call(self, name, method, args, kwargs):
         """FILE/OFF input: each worker reads its share (`core.policies`)
@@ -122,4 +182,18 @@ class MultiWorkerEngine(MirroredEngine):
             self.runtime.rank,
             self.runtime.world_size,
             wrap,
+        )
+
+
+def _check_same_device_count(strategy, runtime):
+    """Raises on every worker unless all workers have as many replicas
+    (tf.distribute counts this worker's devices times the worker count)."""
+    counts = runtime.all_gather(len(strategy.extended.worker_devices))
+    if len(set(counts)) > 1:
+        raise ClusterConfigError(
+            "Every TensorFlow worker needs the same number of devices; "
+            f"the workers have {counts} (in rank order). Give each worker "
+            "as many GPUs, or the same simulated CPU count "
+            "(KERAS_DIST_CPU_DEVICES or keras-dist launch "
+            "--cpu-devices-per-process)."
         )
