@@ -68,3 +68,23 @@ def test_resolve_policy(tmp_path):
     assert policies.resolve_policy(ShardPolicy.FILE, memory) is data
     assert policies.resolve_policy(ShardPolicy.FILE, np.ones(3)) is data
     assert policies.resolve_policy(ShardPolicy.OFF, memory) is ShardPolicy.OFF
+
+
+def test_jax_gather_keeps_64_bit_values_exact():
+    """JAX computes in 32 bits: the FILE/OFF gather must not round int64
+    labels or float64 features (one process here; 2 in test_multi_worker)."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("JAX's process_allgather")
+    from keras_dist._src.backends.jax.multi_worker import _process_allgather
+
+    arrays = [
+        np.array([2**40 + 1, -3], np.int64),
+        np.array([[1 + 2**-40]], np.float64),
+        np.array([0.5, 1.5], np.float32),
+    ]
+    (got,) = _process_allgather(arrays)
+    for a, b in zip(arrays, got):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)

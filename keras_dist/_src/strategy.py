@@ -66,19 +66,25 @@ class Strategy:
         # The runtime first: joining a job (jax.distributed.initialize) must
         # happen before the backend lists its devices.
         self._runtime = module.create_runtime(self.kind, devices, environment)
-        if devices is None:
-            devices = module.default_devices()
-        available = module.list_devices()
-        self._devices = tuple(check_devices_exist(devices, available))
-        self._sync_batch_norm = bool(sync_batch_norm)
-        self._input_options = input_options
-        self._engine = module.create_engine(
-            self.kind,
-            self._devices,
-            runtime=self._runtime,
-            sync_batch_norm=self._sync_batch_norm,
-            input_options=input_options,
-        )
+        try:
+            if devices is None:
+                devices = module.default_devices()
+            available = module.list_devices()
+            self._devices = tuple(check_devices_exist(devices, available))
+            self._sync_batch_norm = bool(sync_batch_norm)
+            self._input_options = input_options
+            self._engine = module.create_engine(
+                self.kind,
+                self._devices,
+                runtime=self._runtime,
+                sync_batch_norm=self._sync_batch_norm,
+                input_options=input_options,
+            )
+        except BaseException:
+            # Leave the job this process joined, so that it does not hold
+            # the others (or its own exit) up.
+            self._runtime.shutdown()
+            raise
         hook.install()
 
     # -- properties ---------------------------------------------------------

@@ -56,9 +56,9 @@ class GatheredAdapter(keras_data.DataAdapter):
         what: what the input is for, used in error messages.
         runtime: the job's Runtime (gives a process that has had no batch
             the others' structure).
-        gather: the backend's collective: takes a NumPy array, or a list of
-            them, of the same shapes on every process and returns every
-            process's, in process order.
+        gather: the backend's collective: takes a list of NumPy arrays of
+            the same shapes on every process and returns every process's
+            list, in process order.
     """
 
     def __init__(self, inner, what: str, runtime, gather):
@@ -69,7 +69,7 @@ class GatheredAdapter(keras_data.DataAdapter):
         self._template = None
         count = inner.num_batches
         known = np.stack(
-            gather(np.array([count is not None, count or 0], np.int64))
+            [p[0] for p in gather([np.array([count is not None, count or 0])])]
         )
         self._num_batches = (
             int(known[:, 1].max()) if known[:, 0].all() else None
@@ -89,7 +89,7 @@ class GatheredAdapter(keras_data.DataAdapter):
                 self._template = _empty_like(batch)
             n_local = 0 if batch is None else num_samples(batch)
             state = np.array([n_local, self._template is None], np.int64)
-            sizes, lacking = np.stack(self.gather(state)).T
+            sizes, lacking = np.stack([p[0] for p in self.gather([state])]).T
             if not sizes.any():
                 if first:
                     raise ValueError(

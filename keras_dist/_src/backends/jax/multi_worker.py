@@ -160,10 +160,23 @@ class MultiWorkerEngine(MirroredEngine):
 
 
 def _process_allgather(arrays) -> list:
-    """Every process's `arrays` (same shapes everywhere), in process order,
-    through JAX's own collective."""
-    stacked = multihost_utils.process_allgather(arrays)
+    """Every process's `arrays` (a list of NumPy arrays of the same shapes
+    everywhere), in process order, through JAX's own collective. 64-bit
+    values travel as uint32 pairs (JAX computes in 32 bits by default)."""
+
+    def words(x):
+        x = np.ascontiguousarray(x)
+        if x.dtype.itemsize == 8 and x.ndim:
+            return x.view(np.uint32)
+        return x
+
+    stacked = multihost_utils.process_allgather([words(x) for x in arrays])
     return [
-        tree.map_structure(lambda x, w=w: x[w], stacked)
+        [
+            np.asarray(g[w]).view(x.dtype)
+            if x.dtype.itemsize == 8 and x.ndim
+            else np.asarray(g[w])
+            for g, x in zip(stacked, arrays)
+        ]
         for w in range(jax.process_count())
     ]

@@ -56,6 +56,10 @@ class JaxRuntime(HostRuntime):
             stacked, axis=0
         )
 
+    def shutdown(self) -> None:
+        """Leaves the job (`jax.distributed.shutdown`)."""
+        jax.distributed.shutdown()
+
 
 def _initialize(environment: ClusterEnvironment) -> None:
     """Joins the JAX job (once), before JAX's backends start."""
