@@ -233,3 +233,34 @@ def test_experimental_alias():
     x, _, _ = make_data(8)
     a = list(strategy.experimental_distribute_dataset([x]))
     assert len(a) == 1
+
+
+def test_non_chief_leaves_out_chief_only_callbacks(tmp_path):
+    """What a worker other than the chief passes to Keras: no progress bar,
+    no file writers, also inside a user-built CallbackList."""
+    from keras_dist._src.keras_glue.callbacks import gate_call_arguments
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kept = keras.callbacks.EarlyStopping()
+    writers = [
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+    ]
+    for given in (
+        [kept, *writers],
+        keras.callbacks.CallbackList([kept, *writers], model=model),
+    ):
+        args, kwargs = gate_call_arguments(
+            False, model.fit, (), {"callbacks": given, "verbose": 1}
+        )
+        got = kwargs["callbacks"]
+        got = got.callbacks if hasattr(got, "callbacks") else got
+        assert got == [kept]
+        assert kwargs["verbose"] == 0
+        # The chief's arguments are left as they are.
+        assert (
+            gate_call_arguments(True, model.fit, (), {"callbacks": given})[1][
+                "callbacks"
+            ]
+            is given
+        )

@@ -53,8 +53,14 @@ def gate_call_arguments(is_chief, method, args, kwargs):
     if "verbose" in inspect.signature(method).parameters:
         arguments["verbose"] = 0
     callbacks = arguments.get("callbacks")
-    if callbacks is not None and not isinstance(
-        callbacks, keras.callbacks.CallbackList
-    ):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        # A list the user built: a new one without the chief-only entries
+        # (Keras adds no history or progress bar to a CallbackList).
+        arguments["callbacks"] = keras.callbacks.CallbackList(
+            _gate(callbacks.callbacks),
+            model=callbacks.model,
+            **(callbacks.params or {}),
+        )
+    elif callbacks is not None:
         arguments["callbacks"] = _gate(tree.flatten(callbacks))
     return bound.args, bound.kwargs
