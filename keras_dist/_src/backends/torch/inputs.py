@@ -33,20 +33,16 @@ from __future__ import annotations
 import inspect
 import re
 
+import keras
 import numpy as np
 import torch
 import torch.distributed as dist
 from keras import tree
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import (
-    array_data_adapter,
-    data_adapter,
-    data_adapter_utils,
-)
 
 from keras_dist._src.cluster import supervision
 from keras_dist._src.core.inputs import DistributedDataset
 from keras_dist._src.core.shards import shard_size
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.options import ShardPolicy
 
 _FILE_READERS = re.compile(
@@ -65,7 +61,7 @@ def _log_once(message: str) -> None:
 # -- classification -----------------------------------------------------------
 def is_tf_dataset(x) -> bool:
     """Whether `x` is a `tf.data.Dataset` (without importing TensorFlow)."""
-    return data_adapters.is_tf_dataset(x)
+    return glue.is_tf_dataset(x)
 
 
 def is_file_dataset(dataset) -> bool:
@@ -154,7 +150,7 @@ class _AgreedIterable(torch.utils.data.IterableDataset):
         return self.adapter.agreed_batches()
 
 
-class AgreedAdapter(data_adapter.DataAdapter):
+class AgreedAdapter(glue.DataAdapter):
     """A Keras data adapter over this rank's local batches, in lockstep.
 
     Wraps the Keras adapter of this rank's own input. Before each step the
@@ -319,7 +315,7 @@ def _local_input(engine, policy, x, y, sample_weight, batch_size, what, **kw):
     if policy is ShardPolicy.FILE:
         # Keras ignores `batch_size` for datasets: they are batched.
         x = _file_shard(engine, x)
-    elif array_data_adapter.can_convert_arrays((x, y, sample_weight)):
+    elif glue.can_convert_arrays((x, y, sample_weight)):
         global_batch = batch_size or 32
         batch_size = local_batch_size(
             global_batch, engine.rank, engine.world_size
@@ -330,7 +326,7 @@ def _local_input(engine, policy, x, y, sample_weight, batch_size, what, **kw):
                 f"batch and must be at least the number of ranks "
                 f"({engine.world_size}). Pass a larger batch_size."
             )
-    inner = data_adapters.get_data_adapter(
+    inner = glue.get_data_adapter(
         x=x,
         y=y,
         sample_weight=sample_weight,
@@ -366,7 +362,7 @@ def prepare_arguments(engine, name, method, args, kwargs):
     x = arguments.get("x")
     y = arguments.get("y")
     sample_weight = arguments.get("sample_weight")
-    if isinstance(x, data_adapter.DataAdapter):
+    if isinstance(x, glue.DataAdapter):
         return args, kwargs
     policy = resolve_policy(base, x)
     if policy is not ShardPolicy.DATA:
@@ -392,10 +388,8 @@ def prepare_arguments(engine, name, method, args, kwargs):
             if key in arguments and arguments[key] is not None:
                 arguments[key] = None
     validation = arguments.get("validation_data") if name == "fit" else None
-    if validation is not None and not isinstance(
-        validation, data_adapter.DataAdapter
-    ):
-        vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)
+    if validation is not None and not isinstance(validation, glue.DataAdapter):
+        vx, vy, vw = keras.utils.unpack_x_y_sample_weight(validation)
         vpolicy = resolve_policy(base, vx)
         if vpolicy is not ShardPolicy.DATA:
             arguments["validation_data"] = _local_input(
