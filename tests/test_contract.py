@@ -4,6 +4,7 @@ the same inner modules; no backend imports the front end."""
 import ast
 import inspect
 import pathlib
+import re
 
 import pytest
 
@@ -120,3 +121,106 @@ def test_runtime_protocol_matches_host_runtime():
         protocol = inspect.signature(getattr(runtime.Runtime, name))
         host = inspect.signature(getattr(runtime.HostRuntime, name))
         assert list(protocol.parameters) == list(host.parameters), name
+
+
+# Private Keras names (attributes, methods, arguments) that only
+# `keras_dist/_src/keras_glue/` may touch; everything else calls its
+# functions, so that a Keras release that renames one breaks one package.
+KERAS_PRIVATE_NAMES = (
+    "_make_function",
+    "_compute_loss",
+    "_compile_loss",
+    "_flat_losses",
+    "_compile_metrics",
+    "_loss_tracker",
+    "_symbolic_build",
+    "_maybe_symbolic_build",
+    "_flatten_layers",
+    "_call_has_training_arg",
+    "_losses_override",
+    "_initial_epoch",
+    "_moments",
+    "_reduction_axes",
+    "_initial_seed",
+    "_value",
+    "_model",
+    "_distribute_strategy",
+    "_is_default",
+    "_use_cached_eval_dataset",
+    "_save_model",
+    "_backend_update_step",
+    "_backend_increment_gradient_accumulators",
+    "_apply_weight_decay",
+    "_overwrite_model_variables_with_average_value",
+    "_backend_reset_gradient_accumulators",
+    "_common_apply",
+    "_tf_apply",
+)
+GLUE_DIR = SRC / "keras_glue"
+
+
+def _private_keras_uses(text):
+    found = ["keras.src"] if "keras.src" in text else []
+    for name in KERAS_PRIVATE_NAMES:
+        pattern = rf"\.{name}\b|[\"']{name}[\"']"
+        if name == "_model":
+            # keras_dist's own helper classes keep a model as `self._model`;
+            # Keras's `Callback._model` is caught in callbacks below.
+            pattern = rf"(?<!\bself)\.{name}\b|[\"']{name}[\"']"
+        if re.search(pattern, text):
+            found.append(name)
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and any(
+            "Callback" in ast.unparse(base) for base in node.bases
+        ):
+            if any(
+                isinstance(n, ast.Attribute) and n.attr == "_model"
+                for n in ast.walk(node)
+            ):
+                found.append(f"{node.name}: Callback._model")
+    return found
+
+
+def test_private_keras_apis_only_in_keras_glue():
+    package = SRC.parent
+    offenders = {}
+    for path in sorted(package.rglob("*.py")):
+        if GLUE_DIR in path.parents:
+            continue
+        found = _private_keras_uses(path.read_text())
+        if found:
+            offenders[str(path.relative_to(package.parent))] = found
+    assert not offenders, (
+        "Private Keras APIs outside keras_dist/_src/keras_glue/ (add a "
+        f"function there and call it): {offenders}"
+    )
+
+
+def test_private_keras_names_listed_are_used_in_keras_glue():
+    # Keeps KERAS_PRIVATE_NAMES honest: each name is one keras_glue touches.
+    glue = "\n".join(p.read_text() for p in GLUE_DIR.glob("*.py"))
+    unused = [n for n in KERAS_PRIVATE_NAMES if n not in glue]
+    assert not unused, f"not used in keras_glue, drop from the list: {unused}"
+
+
+def test_keras_glue_imports_no_backend():
+    # Backend modules import keras_glue, never the other way round; and a
+    # backend's own Keras modules (`keras.src.backend.<name>`) are imported
+    # inside the function that needs them, not when keras_glue is.
+    for path in GLUE_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                assert not module.startswith("keras_dist._src.backends"), (
+                    f"keras_glue/{path.name} imports a backend ({module})"
+                )
+                assert not module.startswith(
+                    ("keras.src.backend.jax", "keras.src.backend.tensorflow")
+                    + ("keras.src.backend.torch", "tensorflow", "torch", "jax")
+                ), f"keras_glue/{path.name} imports {module} at import time"

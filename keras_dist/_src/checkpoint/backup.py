@@ -21,6 +21,7 @@ from keras_dist._src.checkpoint import format as fmt
 from keras_dist._src.checkpoint import manager as manager_lib
 from keras_dist._src.checkpoint import preemption, runtime_glue, state
 from keras_dist._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
+from keras_dist._src.keras_glue import internals as glue
 
 EPOCH_RNG_PREFIX = "epoch_begin/"
 
@@ -164,7 +165,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved = self._global_step
         self._epoch = epoch
         self.restored_from = path
-        model._initial_epoch = epoch or None
+        glue.set_initial_epoch(model, epoch or None)
         self._resume = {
             "epoch": epoch,
             "step": step,
@@ -218,11 +219,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _restore_metrics(self, model, batch=None):
         """Restores the metrics' state of the interrupted epoch."""
         self._metrics_pending = False
-        metrics = getattr(model, "_compile_metrics", None)
+        metrics = glue.compile_metrics(model)
         if metrics is not None and not metrics.built:
             # Keras on TensorFlow without a strategy builds compiled metrics
             # when it traces the step; build them now, from a batch.
-            model._symbolic_build(data_batch=batch)
+            glue.symbolic_build(model, batch)
         pairs = state.match(model, self._resume["arrays"], groups=("metrics",))
         with runtime_glue.scope_of(model):
             state.assign(pairs)
@@ -234,7 +235,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if resume["step"]:
                 # The shuffle of this epoch is drawn after this call.
                 state.restore_rng(resume["epoch_rng"])
-                metrics = getattr(self.model, "_compile_metrics", None)
+                metrics = glue.compile_metrics(self.model)
                 if metrics is None or metrics.built:
                     self._restore_metrics(self.model)
                 else:  # built when the step is traced: see `_restore_metrics`
@@ -277,11 +278,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._unskip()  # the saved position was past this fit's end
         self._skipping = 0
         self._stop_watching()
-        self.manager.wait(self._model)
-        if self._model is not None:
-            self._model._initial_epoch = None
+        model = glue.callback_model(self)
+        self.manager.wait(model)
+        if model is not None:
+            glue.set_initial_epoch(model, None)
         if self.delete_checkpoint and not self.preempted:
-            self.manager.remove_all(self._model)
+            self.manager.remove_all(model)
 
     # -- saving and preemption ----------------------------------------------
     def _save(self) -> None:

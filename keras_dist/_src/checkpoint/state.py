@@ -272,9 +272,9 @@ def _tf_context_rng():
 
 
 def _keras_global_seed_generator():
-    from keras.src.backend.common import global_state
+    from keras_dist._src.keras_glue import internals
 
-    return global_state.get_global_attribute("global_seed_generator")
+    return internals.global_seed_generator()
 
 
 def rng_arrays(arrays: dict, prefix: str = "rng/") -> dict:

@@ -23,7 +23,8 @@ def global_moments(x, axes, all_reduce_sum, weight=None):
 
     Args:
         x: this replica's (or rank's) input to the layer.
-        axes: the reduction axes (`BatchNormalization._reduction_axes`).
+        axes: the layer's reduction axes
+            (`keras_glue.internals.batch_norm_reduction_axes`).
         all_reduce_sum: the backend's differentiable all-reduce: takes a
             float32 tensor and returns its sum over replicas, with the
             all-reduced upstream gradient as its gradient.

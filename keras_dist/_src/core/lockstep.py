@@ -21,7 +21,7 @@ import numpy as np
 from keras import tree
 
 from keras_dist._src.core.policies import num_samples
-from keras_dist._src.keras_glue import data as keras_data
+from keras_dist._src.keras_glue import internals as glue
 
 
 def _as_numpy(batch):
@@ -47,7 +47,7 @@ def _empty_like(batch):
     )
 
 
-class GatheredAdapter(keras_data.DataAdapter):
+class GatheredAdapter(glue.DataAdapter):
     """A Keras data adapter yielding global batches built from every
     process's local batches (see the module docstring).
 

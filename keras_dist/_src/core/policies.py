@@ -32,9 +32,11 @@ from __future__ import annotations
 import inspect
 import re
 
+import keras
+
 from keras_dist._src.cluster import supervision
 from keras_dist._src.core.shards import shard_size
-from keras_dist._src.keras_glue import data as keras_data
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.options import ShardPolicy
 
 _FILE_READERS = re.compile(
@@ -73,7 +75,7 @@ def resolve_policy(policy: ShardPolicy, x, is_chief: bool = True):
     """
     if policy in (ShardPolicy.DATA, ShardPolicy.OFF):
         return policy
-    if keras_data.is_tf_dataset(x) and is_file_dataset(x):
+    if glue.is_tf_dataset(x) and is_file_dataset(x):
         if policy is ShardPolicy.AUTO:
             _log_once(
                 "ShardPolicy.AUTO: the tf.data.Dataset reads files, so each "
@@ -151,7 +153,7 @@ def _local_input(
     if policy is ShardPolicy.FILE:
         # Keras ignores `batch_size` for datasets: they are batched.
         x = _file_shard(x, rank, world)
-    elif keras_data.can_convert_arrays((x, y, sample_weight)):
+    elif glue.can_convert_arrays((x, y, sample_weight)):
         global_batch = batch_size or 32
         batch_size = local_batch_size(global_batch, rank, world)
         if batch_size == 0:
@@ -160,7 +162,7 @@ def _local_input(
                 f"batch and must be at least the number of ranks ({world}). "
                 "Pass a larger batch_size."
             )
-    inner = keras_data.get_data_adapter(
+    inner = glue.get_data_adapter(
         x=x,
         y=y,
         sample_weight=sample_weight,
@@ -194,7 +196,7 @@ def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
     bound = inspect.signature(method).bind(*args, **kwargs)
     arguments = bound.arguments
     x = arguments.get("x")
-    if keras_data.is_data_adapter(x):
+    if isinstance(x, glue.DataAdapter):
         return args, kwargs
     where = dict(rank=rank, world=world, wrap=wrap)
     chief = rank == 0
@@ -222,8 +224,8 @@ def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
             if key in arguments and arguments[key] is not None:
                 arguments[key] = None
     validation = arguments.get("validation_data") if name == "fit" else None
-    if validation is not None and not keras_data.is_data_adapter(validation):
-        vx, vy, vw = keras_data.unpack_x_y_sample_weight(validation)
+    if validation is not None and not isinstance(validation, glue.DataAdapter):
+        vx, vy, vw = keras.utils.unpack_x_y_sample_weight(validation)
         v_policy = resolve_policy(policy, vx, chief)
         if v_policy is not ShardPolicy.DATA:
             arguments["validation_data"] = _local_input(

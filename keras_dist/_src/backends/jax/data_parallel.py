@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import keras
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from keras import distribution as keras_distribution
 from keras import tree
-from keras.src.backend import StatelessScope
 
 from keras_dist._src.backends.jax.batch_norm import average_moving_statistics
 from keras_dist._src.backends.jax.devices import BATCH_AXIS, devices_by_name
@@ -36,6 +36,7 @@ from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     VariablesOutsideScopeError,
 )
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
@@ -252,8 +253,8 @@ class _StepFunctions:
         engine = self.engine
         # With steps_per_execution > 1, predict's outputs of the steps of one
         # call must be concatenated (Keras's own predict function does so).
-        iterator_step = self.model._make_function(
-            step, concatenate_outputs=concatenate_outputs
+        iterator_step = glue.make_function(
+            self.model, step, concatenate_outputs=concatenate_outputs
         )
         last_state = [None]
 
@@ -327,7 +328,7 @@ class _StepFunctions:
                 for old, new in zip(old_metrics, metrics)
             ]
             mapping = list(zip(model.metrics_variables, metrics))
-            with StatelessScope(state_mapping=mapping):
+            with keras.StatelessScope(state_mapping=mapping):
                 logs = model.get_metrics_result()
             return logs, (trainable, non_trainable, opt_vars, metrics)
 

@@ -29,6 +29,7 @@ from keras_dist._src.cluster.supervision import (
 from keras_dist._src.core import policies
 from keras_dist._src.core.lockstep import GatheredAdapter
 from keras_dist._src.core.rng import replicate_chief_generators
+from keras_dist._src.keras_glue import internals as glue
 
 
 def _global_array(value, sharding):
@@ -65,25 +66,25 @@ class MultiWorkerEngine(MirroredEngine):
 
     @contextlib.contextmanager
     def scope(self):
-        from keras.src.backend.jax import distribution_lib
+        def from_chief(original):
+            def distribute_tensor(tensor, layout):
+                # Variables created in the scope take the chief's initial
+                # value.
+                sharding = getattr(layout, "backend_layout", layout)
+                if isinstance(tensor, jax.core.Tracer) or not isinstance(
+                    sharding, jax.sharding.Sharding
+                ):
+                    return original(tensor, layout)
+                return _global_array(_from_chief(_host_value(tensor)), sharding)
 
-        original = distribution_lib.distribute_tensor
+            return distribute_tensor
 
-        def distribute_tensor(tensor, layout):
-            # Variables created in the scope take the chief's initial value.
-            sharding = getattr(layout, "backend_layout", layout)
-            if isinstance(tensor, jax.core.Tracer) or not isinstance(
-                sharding, jax.sharding.Sharding
-            ):
-                return original(tensor, layout)
-            return _global_array(_from_chief(_host_value(tensor)), sharding)
-
-        distribution_lib.distribute_tensor = distribute_tensor
+        restore = glue.replace_jax_distribute_tensor(from_chief)
         try:
             with super().scope():
                 yield
         finally:
-            distribution_lib.distribute_tensor = original
+            restore()
 
     def prepare_call(self, name, method, args, kwargs):
         """FILE/OFF input: each process reads its share (`core.policies`)
@@ -128,7 +129,9 @@ class MultiWorkerEngine(MirroredEngine):
         the chief alone loaded weights)."""
         for variable in variables:
             value = _from_chief(_host_value(variable.value))
-            variable._value = _global_array(value, self.replicated)
+            glue.set_variable_value(
+                variable, _global_array(value, self.replicated)
+            )
 
     def place_batch(self, batch):
         """Global batch arrays built from every process's copy of it."""

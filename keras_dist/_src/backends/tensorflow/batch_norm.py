@@ -7,6 +7,7 @@ import threading
 import tensorflow as tf
 
 from keras_dist._src.core.batch_norm import global_moments
+from keras_dist._src.keras_glue import internals as glue
 
 
 def set_batch_norm_sync(layer, sync: bool) -> None:
@@ -23,7 +24,7 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
     """
     layer.synchronized = False
     if not sync:
-        layer.__dict__.pop("_moments", None)
+        glue.restore_batch_norm_moments(layer)
         # Keras creates the moving statistics with aggregation "none", which
         # tf.distribute resolves by keeping the first replica's update; the
         # mean over replicas (what the JAX and torch backends do) uses every
@@ -33,7 +34,7 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
             if hasattr(value, "_aggregation"):
                 value._aggregation = tf.VariableAggregation.MEAN
         return
-    original = type(layer)._moments.__get__(layer)
+    original = glue.original_batch_norm_moments(layer)
 
     def moments(inputs, mask):
         context = tf.distribute.get_replica_context()
@@ -44,9 +45,10 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
         ):
             return original(inputs, mask)
         valid = getattr(REPLICA_STATE, "valid", None)
-        return _global_moments(context, inputs, layer._reduction_axes, valid)
+        axes = glue.batch_norm_reduction_axes(layer)
+        return _global_moments(context, inputs, axes, valid)
 
-    layer.__dict__["_moments"] = moments
+    glue.replace_batch_norm_moments(layer, moments)
 
 
 def _global_moments(context, inputs, axes, valid):

@@ -20,10 +20,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.losses import loss as loss_module
-from keras.src.trainers import data_adapters
-from keras.src.trainers.trainer import Trainer
 
 from keras_dist._src.backends.tensorflow.batch_norm import (
     REPLICA_STATE,
@@ -44,6 +40,7 @@ from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     VariablesOutsideScopeError,
 )
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.keras_glue.dropout import draws_per_sample_mask
 from keras_dist._src.keras_glue.losses import (
     warn_user_losses,
@@ -154,7 +151,7 @@ class MirroredEngine(_EngineBase):
         return self.tf_strategy.scope()
 
     def attach(self, model) -> None:
-        strategy = getattr(model, "_distribute_strategy", None)
+        strategy = glue.tf_distribute_strategy(model)
         if strategy is not self.tf_strategy:
             raise VariablesOutsideScopeError(
                 f"Model {model.name!r} was created outside strategy.scope(), "
@@ -169,7 +166,7 @@ class MirroredEngine(_EngineBase):
                     "created outside strategy.scope(). Build the model and "
                     "all its layers inside the scope."
                 )
-        for layer in model._flatten_layers(include_self=False):
+        for layer in glue.flatten_layers(model):
             if isinstance(layer, keras.layers.BatchNormalization):
                 set_batch_norm_sync(layer, self.sync_batch_norm)
             if type(layer) is keras.layers.Dropout:
@@ -180,8 +177,9 @@ class MirroredEngine(_EngineBase):
 
     def _install_steps(self, model) -> None:
         cls = type(model)
-        custom_train = cls.train_step is not TensorFlowTrainer.train_step
-        custom_test = cls.test_step is not TensorFlowTrainer.test_step
+        trainer = glue.tensorflow_trainer()
+        custom_train = cls.train_step is not trainer.train_step
+        custom_test = cls.test_step is not trainer.test_step
         engine = self
 
         if custom_train or custom_test:
@@ -235,7 +233,7 @@ class MirroredEngine(_EngineBase):
         def make_predict_function(force=False):
             if model.predict_function is not None and not force:
                 return model.predict_function
-            TensorFlowTrainer.make_predict_function(model, force=True)
+            trainer.make_predict_function(model, force=True)
             inner = model.predict_function
 
             def predict_function(data):
@@ -255,9 +253,9 @@ class MirroredEngine(_EngineBase):
             # fails when they differ in size). The input's element spec has
             # all the shapes and dtypes needed, without reading any data.
             if iterator is not None:
-                data_batch = iterator.data_adapter.get_tf_dataset().element_spec
+                data_batch = glue.epoch_iterator_element_spec(iterator)
             with engine.tf_strategy.scope():
-                model._symbolic_build(data_batch=data_batch)
+                glue.symbolic_build(model, data_batch)
 
         if not custom_train:
             model.__dict__["make_train_function"] = make_train_function
@@ -265,7 +263,7 @@ class MirroredEngine(_EngineBase):
             model.__dict__["make_test_function"] = make_test_function
         model.__dict__["make_predict_function"] = make_predict_function
         model.predict_function = None
-        model.__dict__["_maybe_symbolic_build"] = maybe_symbolic_build
+        glue.replace_maybe_symbolic_build(model, maybe_symbolic_build)
         model.train_function = None
         model.test_function = None
 
@@ -371,8 +369,8 @@ def _make_function(model, step):
     """
     executions = model.steps_per_execution
     if executions <= 1:
-        return model._make_function(step)
-    traced = model._make_function(step)
+        return glue.make_function(model, step)
+    traced = glue.make_function(model, step)
 
     def single(iterator):
         # Keras reads `steps_per_execution` when it traces the function.
@@ -461,9 +459,7 @@ def _exact_step(engine, model, data, training):
         global_count = tf.cast(data[GLOBAL_COUNT_KEY], "float32")
         local_count = data[LOCAL_COUNT_KEY]
         data = data[BATCH_KEY]
-    x, y, sample_weight = (
-        data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
-    )
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x = _check_input_shapes(model, x)
     first = next(i for i in tree.flatten(x) if i is not None)
     rows = tf.shape(first)[0]
@@ -492,7 +488,8 @@ def _exact_step(engine, model, data, training):
             tf.cast(global_count, "int32"),
         )
     with tf.GradientTape() as tape, watch_user_losses(model) as user_losses:
-        kwargs = {"training": training} if model._call_has_training_arg else {}
+        takes_training = glue.call_has_training_arg(model)
+        kwargs = {"training": training} if takes_training else {}
         y_pred = model(x, **kwargs)
     REPLICA_STATE.dropout = None
     if user_losses.found:
@@ -574,7 +571,7 @@ def _loss_step(model, tape, training, data, local_count, global_count):
     def real(t):
         return None if t is None else t[:rows]
 
-    if type(model).compute_loss is Trainer.compute_loss:
+    if glue.uses_keras_compute_loss(model):
         _check_mean_reductions(model)
     with tape:  # the slicing too: the loss's gradient flows through it
         x, y, sample_weight, y_pred = tree.map_structure(
@@ -593,7 +590,7 @@ def _loss_step(model, tape, training, data, local_count, global_count):
                 training=training,
             )
         loss = tf.convert_to_tensor(loss)
-        model._loss_tracker.update_state(
+        glue.loss_tracker(model).update_state(
             tf.cast(loss, "float32"), sample_weight=local_count
         )
         weighted = loss * tf.cast(weight, loss.dtype)
@@ -638,12 +635,10 @@ class _no_replica_loss_scaling:
         self._share = share
 
     def __enter__(self):
-        self._scale = loss_module.scale_loss_for_distribution
-        self._unscale = loss_module.unscale_loss_for_distribution
-        loss_module.scale_loss_for_distribution = _identity
-        loss_module.unscale_loss_for_distribution = _identity
+        self._scale, self._unscale = glue.loss_distribution_scaling()
+        glue.set_loss_distribution_scaling(_identity, _identity)
         self._patched = []
-        compile_loss = getattr(self._model, "_compile_loss", None)
+        compile_loss = glue.compile_loss(self._model)
         for metric in getattr(compile_loss, "metrics", None) or []:
             if metric is None:
                 continue
@@ -661,8 +656,7 @@ class _no_replica_loss_scaling:
         return self
 
     def __exit__(self, *exc):
-        loss_module.scale_loss_for_distribution = self._scale
-        loss_module.unscale_loss_for_distribution = self._unscale
+        glue.set_loss_distribution_scaling(self._scale, self._unscale)
         for metric, old in reversed(self._patched):
             if old is _MISSING:
                 metric.__dict__.pop("update_state", None)
@@ -688,7 +682,7 @@ class _own_losses:
         self._device = getattr(leaves[0], "device", "") if leaves else ""
 
     def __enter__(self):
-        self._old = self._model.__dict__.get("_losses_override", _MISSING)
+        self._old = glue.own_losses_override(self._model, _MISSING)
         if not self._device:
             return self
         losses = self._model.losses
@@ -696,14 +690,14 @@ class _own_losses:
             v for v in losses if getattr(v, "device", "") in ("", self._device)
         ]
         if own and len(own) != len(losses):
-            self._model._losses_override = own
+            glue.set_losses_override(self._model, own)
         return self
 
     def __exit__(self, *exc):
         if self._old is _MISSING:
-            self._model.__dict__.pop("_losses_override", None)
+            glue.clear_losses_override(self._model)
         else:
-            self._model._losses_override = self._old
+            glue.set_losses_override(self._model, self._old)
         return False
 
 
@@ -744,8 +738,7 @@ def _check_input_shapes(model, x):
 
 
 def _check_mean_reductions(model):
-    flat = getattr(model._compile_loss, "_flat_losses", None) or []
-    for entry in flat:
+    for entry in glue.compiled_loss_entries(model):
         reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
         if reduction not in _MEAN_REDUCTIONS:
             raise ValueError(
@@ -789,22 +782,12 @@ class _local_optimizer:
     """Points variables at this replica's copies and the optimizer at its
     non-distributed (backend-neutral) update paths, for the duration."""
 
-    _LOCAL_METHODS = (
-        "_backend_update_step",
-        "_backend_increment_gradient_accumulators",
-        "_apply_weight_decay",
-        "_overwrite_model_variables_with_average_value",
-        "_backend_reset_gradient_accumulators",
-    )
-
     def __init__(self, context, optimizer, weights):
         self._context = context
         self._optimizer = optimizer
         self._weights = weights
 
     def __enter__(self):
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-
         self._swapped = []
         self._patched = []
         optimizers = [self._optimizer]
@@ -814,21 +797,18 @@ class _local_optimizer:
         variables = list(self._weights)
         for opt in optimizers:
             variables.extend(opt.variables)
-            for name in self._LOCAL_METHODS:
-                method = getattr(BaseOptimizer, name)
-                self._patch(opt, name, method.__get__(opt))
-            if hasattr(type(opt), "_common_apply"):  # LossScaleOptimizer
-                self._patch(opt, "_tf_apply", opt._common_apply)
+            for name, method in glue.replica_local_optimizer_methods(opt):
+                self._patch(opt, name, method)
         seen = set()
         for variable in variables:
-            value = getattr(variable, "_value", None)
+            value = glue.variable_value(variable)
             if id(variable) in seen or not isinstance(
                 value, tf.distribute.DistributedValues
             ):
                 continue
             seen.add(id(variable))
             self._swapped.append((variable, value))
-            variable._value = value._get_on_device_or_primary()
+            glue.set_variable_value(variable, value._get_on_device_or_primary())
 
         def no_merge_call(*args, **kwargs):
             raise RuntimeError(
@@ -845,7 +825,7 @@ class _local_optimizer:
 
     def __exit__(self, *exc):
         for variable, value in reversed(self._swapped):
-            variable._value = value
+            glue.set_variable_value(variable, value)
         for obj, name, old in reversed(self._patched):
             if old is _MISSING:
                 obj.__dict__.pop(name, None)

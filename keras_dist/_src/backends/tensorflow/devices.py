@@ -8,6 +8,7 @@ from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
 )
+from keras_dist._src.keras_glue import internals as glue
 
 
 def tf_device_name(device: str) -> str:
@@ -68,5 +69,5 @@ def variables_distributed(model) -> bool:
     """Whether `model` was built in the scope of a keras_dist strategy (and
     not only of a plain `tf.distribute` one, which keras_dist leaves alone).
     """
-    strategy = getattr(model, "_distribute_strategy", None)
+    strategy = glue.tf_distribute_strategy(model)
     return getattr(type(strategy), "_keras_dist", False)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from keras_dist._src.core.batch_norm import global_moments
+from keras_dist._src.keras_glue import internals as glue
 
 
 # -- synchronised BatchNormalization -------------------------------------------
@@ -27,7 +28,9 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def sync_moments(engine, layer, original):
-    """Returns `layer._moments` with global-batch statistics across ranks.
+    """Returns `layer`'s moments function (Keras's `original` replaced, see
+    `keras_glue.internals.replace_batch_norm_moments`) with global-batch
+    statistics across ranks.
 
     The formula is `core.batch_norm.global_moments` (two passes, the one TF
     uses too), over the rank's auxiliary process group. A rank that runs a
@@ -43,7 +46,10 @@ def sync_moments(engine, layer, original):
             return original(inputs, mask)
         weight = 0.0 if getattr(engine, "phantom_shard", False) else None
         return global_moments(
-            inputs, list(layer._reduction_axes), all_reduce_sum, weight
+            inputs,
+            list(glue.batch_norm_reduction_axes(layer)),
+            all_reduce_sum,
+            weight,
         )
 
     return moments

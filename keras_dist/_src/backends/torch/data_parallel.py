@@ -41,7 +41,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from keras import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist._src.backends.torch import devices as torch_devices
 from keras_dist._src.backends.torch.batch_norm import sync_moments
@@ -53,6 +52,7 @@ from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.core.shards import shard_bounds
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import VariablesOutsideScopeError
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.keras_glue.dropout import draws_per_sample_mask
 from keras_dist._src.keras_glue.losses import (
     warn_user_losses,
@@ -89,10 +89,10 @@ _BATCH_HOOKS = {
 
 
 def _implements(callback, hook) -> bool:
-    # Keras marks its no-op hooks with `_is_default` (as its CallbackList
-    # does to skip batch hooks); anything else counts as implemented.
+    # Keras marks its no-op hooks (as its CallbackList does to skip batch
+    # hooks); anything else counts as implemented.
     method = getattr(callback, hook, None)
-    return method is not None and not getattr(method, "_is_default", False)
+    return method is not None and not glue.is_default_callback_hook(method)
 
 
 def reads_batch_logs(name, method, args, kwargs) -> bool:
@@ -113,7 +113,7 @@ def reads_batch_logs(name, method, args, kwargs) -> bool:
     callbacks = arguments.get("callbacks") or []
     quiet = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        if not arguments.get("kwargs", {}).get("_use_cached_eval_dataset"):
+        if not glue.is_fit_validation(arguments.get("kwargs", {})):
             quiet = (keras.callbacks.History,)  # a caller's own list
         # In `fit`'s validation, fit's progress bar ignores the steps.
         callbacks = callbacks.callbacks
@@ -261,7 +261,8 @@ def global_dropout(engine, layer, original):
         kept = original(probe, training=True)[start : start + n_local]
         seeded = (
             layer.noise_shape is not None
-            or layer.seed_generator._initial_seed is not None
+            or glue.seed_generator_initial_seed(layer.seed_generator)
+            is not None
         )
         if seeded:
             # Keras's seeded path: where(mask, inputs / keep_prob, 0).
@@ -305,22 +306,22 @@ class StepFunctions:
         model = self.model
         engine = self.engine
         engine.bn_sync_active = False
-        from keras.src.backend.torch.trainer import TorchTrainer
+        trainer = glue.torch_trainer()
 
         cls = type(model)
         # The user's own steps run on this rank's shard (see `user_step`).
         self.custom = {
-            name: getattr(cls, name) is not getattr(TorchTrainer, name)
+            name: getattr(cls, name) is not getattr(trainer, name)
             for name in ("train_step", "test_step", "predict_step")
         }
         if engine.sync_batch_norm:
-            for layer in model._flatten_layers(include_self=False):
+            for layer in glue.flatten_layers(model):
                 if isinstance(layer, keras.layers.BatchNormalization):
-                    original = type(layer)._moments.__get__(layer)
-                    layer.__dict__["_moments"] = sync_moments(
-                        engine, layer, original
+                    original = glue.original_batch_norm_moments(layer)
+                    glue.replace_batch_norm_moments(
+                        layer, sync_moments(engine, layer, original)
                     )
-        for layer in model._flatten_layers(include_self=False):
+        for layer in glue.flatten_layers(model):
             if type(layer) is keras.layers.Dropout:
                 original = type(layer).call.__get__(layer)
                 layer.__dict__["call"] = global_dropout(engine, layer, original)
@@ -423,7 +424,7 @@ class StepFunctions:
             )
 
     def _shard(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
         n_global = self.engine.local_batches.take()
         if n_global is not None:
@@ -441,7 +442,7 @@ class StepFunctions:
         return x, y, sample_weight, stop - start, total
 
     def _call(self, module, x, training):
-        if self.model._call_has_training_arg:
+        if glue.call_has_training_arg(self.model):
             return module(x, training=training)
         return module(x)
 
@@ -499,14 +500,15 @@ class StepFunctions:
             if watch.found:
                 warn_user_losses(model)
         if n_local > 0:
-            loss = model._compute_loss(
+            loss = glue.compute_loss(
+                model,
                 x=x,
                 y=y,
                 y_pred=y_pred,
                 sample_weight=sample_weight,
                 training=True,
             )
-            model._loss_tracker.update_state(
+            glue.loss_tracker(model).update_state(
                 loss.detach(), sample_weight=n_local
             )
             share = n_local * engine.world_size / n_global
@@ -812,14 +814,15 @@ class StepFunctions:
         before = self._metrics_before_step()
         y_pred = self._call(model, x, training=False)
         if n_local > 0:
-            loss = model._compute_loss(
+            loss = glue.compute_loss(
+                model,
                 x=x,
                 y=y,
                 y_pred=y_pred,
                 sample_weight=sample_weight,
                 training=False,
             )
-            model._loss_tracker.update_state(loss, sample_weight=n_local)
+            glue.loss_tracker(model).update_state(loss, sample_weight=n_local)
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self._metrics_after_step(before)
         return self._local_metrics_result()

@@ -37,7 +37,7 @@ from keras import tree
 
 from keras_dist._src.core import policies
 from keras_dist._src.core.inputs import DistributedDataset
-from keras_dist._src.keras_glue import data as keras_data
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.options import ShardPolicy
 
 
@@ -78,7 +78,7 @@ class _AgreedIterable(torch.utils.data.IterableDataset):
         return self.adapter.agreed_batches()
 
 
-class AgreedAdapter(keras_data.DataAdapter):
+class AgreedAdapter(glue.DataAdapter):
     """A Keras data adapter over this rank's local batches, in lockstep.
 
     Wraps the Keras adapter of this rank's own input. Before each step the

@@ -1,0 +1,315 @@
+"""Every other private Keras name keras_dist reads or replaces, by name.
+
+Keras has no public API for what keras_dist's backends do to a compiled
+model (replacing its step functions, its BatchNormalization moments, its
+losses' replica scaling...), so they reach into Keras's trainer, layers and
+variables. Each such reach is a function here, named for what it does, with
+the private Keras name it touches in its docstring: when a Keras release
+renames one (`SUPPORTED_KERAS` lists the tested ones), this file and the
+other `keras_glue` modules are the ones to change, and
+`tests/test_contract.py` checks that no other module names them.
+
+Importing this module imports no backend: the Keras modules of one backend
+(`keras.src.backend.<name>`) are imported inside the function that needs
+them.
+"""
+
+from __future__ import annotations
+
+from keras.src.losses import loss as _loss_module
+from keras.src.trainers import data_adapters as _data_adapters
+from keras.src.trainers.data_adapters import (
+    array_data_adapter as _array_data_adapter,
+)
+from keras.src.trainers.data_adapters import data_adapter as _data_adapter
+from keras.src.trainers.trainer import Trainer as _Trainer
+
+#: Keras's base class of data adapters (`keras.src.trainers.data_adapters`):
+#: torch's lockstep adapter subclasses it, and input already wrapped in one
+#: is passed through.
+DataAdapter = _data_adapter.DataAdapter
+
+
+# -- the trainer: step functions, losses, metrics -----------------------------
+def make_function(model, step, **kwargs):
+    """Keras's private `Trainer._make_function`: turns a one-batch `step`
+    into the backend's train/test/predict function, as Keras's own (the loop
+    over `steps_per_execution` batches; on TF also `tf.function` and
+    `strategy.run`)."""
+    return model._make_function(step, **kwargs)
+
+
+def compute_loss(model, **kwargs):
+    """Keras's private `Trainer._compute_loss`: calls the model's (maybe
+    overridden) `compute_loss` with `training` only where its signature
+    takes it."""
+    return model._compute_loss(**kwargs)
+
+
+def loss_tracker(model):
+    """Keras's private `Trainer._loss_tracker`: the `Mean` metric behind the
+    logged ``loss``, which the replicated steps update themselves."""
+    return model._loss_tracker
+
+
+def compile_loss(model):
+    """Keras's private `Trainer._compile_loss` (the `CompileLoss` built by
+    `compile`), or None: its per-output loss trackers and its losses."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_loss_entries(model) -> list:
+    """The private `CompileLoss._flat_losses` of `model._compile_loss`: one
+    entry (with `.loss` and `.name`) per compiled loss, whose reductions
+    the exact TF step checks."""
+    return getattr(model._compile_loss, "_flat_losses", None) or []
+
+
+def compile_metrics(model):
+    """Keras's private `Trainer._compile_metrics` (the `CompileMetrics` built
+    by `compile`), or None: whether compiled metrics are built yet."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Keras's private `Trainer._symbolic_build`: builds the model, its
+    compiled metrics and losses and its optimizer from a batch's shapes."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def replace_maybe_symbolic_build(model, function) -> None:
+    """Replaces Keras's private `_maybe_symbolic_build` (which the TF trainer
+    calls before the first step) on the `model` instance with `function`
+    (called with ``iterator=`` or ``data_batch=``)."""
+    model.__dict__["_maybe_symbolic_build"] = function
+
+
+def epoch_iterator_element_spec(iterator):
+    """The element spec of the `tf.data.Dataset` behind a Keras TF epoch
+    iterator (its adapter's, as passed to `_maybe_symbolic_build`): every
+    shape and dtype of the input, without reading any data."""
+    return iterator.data_adapter.get_tf_dataset().element_spec
+
+
+def call_has_training_arg(model) -> bool:
+    """Keras's private `Layer._call_has_training_arg`: whether the model's
+    `call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def uses_keras_compute_loss(model) -> bool:
+    """Whether `model` keeps the `compute_loss` of Keras's private base
+    `Trainer` (`keras.src.trainers.trainer`), i.e. does not override it."""
+    return type(model).compute_loss is _Trainer.compute_loss
+
+
+def set_initial_epoch(model, epoch) -> None:
+    """Sets Keras's private `Trainer._initial_epoch`, which `fit` uses in
+    place of its `initial_epoch` argument (how Keras's BackupAndRestore
+    resumes)."""
+    model._initial_epoch = epoch
+
+
+def tensorflow_trainer():
+    """Keras's private `TensorFlowTrainer` (`keras.src.backend.tensorflow`),
+    imported here (it imports TensorFlow): its steps tell whether a model
+    overrides them, and its `make_predict_function` is the TF predict."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer
+
+
+def torch_trainer():
+    """Keras's private `TorchTrainer` (`keras.src.backend.torch`), imported
+    here (it imports torch): its steps tell whether a model overrides
+    them."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return TorchTrainer
+
+
+# -- model.losses -------------------------------------------------------------
+def own_losses_override(model, default):
+    """The value of Keras's private `Layer._losses_override` set on the
+    `model` instance itself (what `model.losses` returns when non-empty),
+    or `default`."""
+    return model.__dict__.get("_losses_override", default)
+
+
+def set_losses_override(model, losses) -> None:
+    """Sets Keras's private `Layer._losses_override`: `model.losses` then
+    returns `losses` (when non-empty)."""
+    model._losses_override = losses
+
+
+def clear_losses_override(model) -> None:
+    """Removes the `model` instance's own `_losses_override` (Keras's
+    private attribute), if set."""
+    model.__dict__.pop("_losses_override", None)
+
+
+def loss_distribution_scaling():
+    """Keras's private `scale_loss_for_distribution` and
+    `unscale_loss_for_distribution` (`keras.src.losses.loss`): how losses
+    divide by the replica count under tf.distribute (and metrics undo it)."""
+    return (
+        _loss_module.scale_loss_for_distribution,
+        _loss_module.unscale_loss_for_distribution,
+    )
+
+
+def set_loss_distribution_scaling(scale, unscale) -> None:
+    """Replaces Keras's private `scale_loss_for_distribution` and
+    `unscale_loss_for_distribution` (`keras.src.losses.loss`)."""
+    _loss_module.scale_loss_for_distribution = scale
+    _loss_module.unscale_loss_for_distribution = unscale
+
+
+# -- layers -------------------------------------------------------------------
+def flatten_layers(model, include_self=False):
+    """Keras's private `Layer._flatten_layers`: every layer of `model`,
+    nested ones included (the model itself only with `include_self`)."""
+    return model._flatten_layers(include_self=include_self)
+
+
+def original_batch_norm_moments(layer):
+    """Keras's own private `BatchNormalization._moments(inputs, mask)` of
+    `layer` (its class's method, bound), whatever the instance holds."""
+    return type(layer)._moments.__get__(layer)
+
+
+def replace_batch_norm_moments(layer, moments) -> None:
+    """Replaces Keras's private `BatchNormalization._moments` on the `layer`
+    instance with `moments(inputs, mask) -> (mean, variance)`."""
+    layer.__dict__["_moments"] = moments
+
+
+def restore_batch_norm_moments(layer) -> None:
+    """Removes a `_moments` set on the `layer` instance (Keras's private
+    `BatchNormalization._moments` applies again)."""
+    layer.__dict__.pop("_moments", None)
+
+
+def batch_norm_reduction_axes(layer):
+    """Keras's private `BatchNormalization._reduction_axes`: the axes its
+    moments reduce over (set when the layer is built)."""
+    return layer._reduction_axes
+
+
+def seed_generator_initial_seed(generator):
+    """Keras's private `SeedGenerator._initial_seed`: the seed it was made
+    with (None when unseeded), which decides Keras's dropout path."""
+    return generator._initial_seed
+
+
+# -- variables and optimizers -------------------------------------------------
+def variable_value(variable):
+    """Keras's private `Variable._value` (the backend's own value, e.g. a
+    tf.distribute MirroredVariable), or None."""
+    return getattr(variable, "_value", None)
+
+
+def set_variable_value(variable, value) -> None:
+    """Sets Keras's private `Variable._value` to a backend value as is (no
+    `assign`: no copy, no conversion, the value's own placement kept)."""
+    variable._value = value
+
+
+#: Private `BaseOptimizer` methods (`keras.src.optimizers.base_optimizer`)
+#: whose backend-neutral versions update variables without collectives.
+_LOCAL_OPTIMIZER_METHODS = (
+    "_backend_update_step",
+    "_backend_increment_gradient_accumulators",
+    "_apply_weight_decay",
+    "_overwrite_model_variables_with_average_value",
+    "_backend_reset_gradient_accumulators",
+)
+
+
+def replica_local_optimizer_methods(optimizer) -> list:
+    """``(name, method)`` pairs that, set on the `optimizer` instance, make
+    Keras's TF optimizer update without tf.distribute: the private
+    backend-neutral methods of Keras's `BaseOptimizer`, and for a
+    `LossScaleOptimizer` its private `_common_apply` as `_tf_apply`."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    methods = [
+        (name, getattr(BaseOptimizer, name).__get__(optimizer))
+        for name in _LOCAL_OPTIMIZER_METHODS
+    ]
+    if hasattr(type(optimizer), "_common_apply"):  # LossScaleOptimizer
+        methods.append(("_tf_apply", optimizer._common_apply))
+    return methods
+
+
+# -- callbacks and fit's arguments --------------------------------------------
+def is_default_callback_hook(method) -> bool:
+    """Whether a callback hook is Keras's no-op default (marked with the
+    private `_is_default` attribute, as Keras's `CallbackList` checks)."""
+    return getattr(method, "_is_default", False)
+
+
+def callback_model(callback):
+    """Keras's private `Callback._model`: the model given to `set_model`,
+    or None, read without the `model` property (which on JAX first copies
+    the training state into the variables)."""
+    return callback._model
+
+
+def is_fit_validation(kwargs):
+    """Whether an `evaluate` call's extra `kwargs` are those of `fit`'s
+    validation (Keras's private ``_use_cached_eval_dataset`` argument)."""
+    return kwargs.get("_use_cached_eval_dataset")
+
+
+# -- input --------------------------------------------------------------------
+def is_tf_dataset(x) -> bool:
+    """Keras's private `data_adapters.is_tf_dataset`: whether `x` is a
+    `tf.data.Dataset`, without importing TensorFlow."""
+    return _data_adapters.is_tf_dataset(x)
+
+
+def get_data_adapter(**kwargs):
+    """Keras's private `data_adapters.get_data_adapter`: the adapter `fit`
+    would make for these arguments."""
+    return _data_adapters.get_data_adapter(**kwargs)
+
+
+def can_convert_arrays(arrays) -> bool:
+    """Keras's private `array_data_adapter.can_convert_arrays`: whether the
+    input is arrays (that `batch_size` batches)."""
+    return _array_data_adapter.can_convert_arrays(arrays)
+
+
+# -- global state -------------------------------------------------------------
+def global_seed_generator():
+    """Keras's global `SeedGenerator` (private `global_state` attribute
+    ``global_seed_generator``), or None if none was made yet."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("global_seed_generator")
+
+
+def tf_distribute_strategy(model):
+    """Keras's private `TensorFlowTrainer._distribute_strategy`: the
+    tf.distribute strategy whose scope `model` was created in, or None."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def replace_jax_distribute_tensor(make):
+    """Replaces Keras's private JAX `distribution_lib.distribute_tensor`
+    (`keras.src.backend.jax`, through which Keras lays out each variable
+    made under a distribution) with `make(original)`.
+
+    Returns:
+        A function that puts the original back.
+    """
+    from keras.src.backend.jax import distribution_lib
+
+    original = distribution_lib.distribute_tensor
+    distribution_lib.distribute_tensor = make(original)
+
+    def restore():
+        distribution_lib.distribute_tensor = original
+
+    return restore
