@@ -121,11 +121,17 @@ print("TRAINING DONE", flush=True)
 def test_killed_worker_stops_the_job(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
-    proc, seconds = _launch(["--nproc-per-node", 2, script], tmp_path)
+    # With a 400 s liveness timeout, an ending well before it shows that the
+    # launcher stopped the job on the kill, not a timeout.
+    os.environ["KERAS_DIST_TIMEOUT"] = "400"
+    try:
+        proc, seconds = _launch(["--nproc-per-node", 2, script], tmp_path)
+    finally:
+        del os.environ["KERAS_DIST_TIMEOUT"]
     assert proc.returncode != 0
     assert "TRAINING DONE" not in proc.stdout
     assert "worker rank 1 was killed by SIGKILL" in proc.stderr
-    assert seconds < 120
+    assert seconds < 200
 
 
 HUNG = KILLED.replace(
