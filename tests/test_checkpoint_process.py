@@ -157,7 +157,7 @@ def env_for(backend, ranks=1, devices=None):
     return env
 
 
-def run(script, args, env, timeout=240):
+def run(script, args, env, timeout=400):
     proc = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
         env=env,
@@ -226,7 +226,7 @@ def interrupt_and_resume(
                 else:
                     os.kill(proc.pid, signal.SIGTERM)  # rank 0 only
                 break
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -247,7 +247,7 @@ def interrupt_and_resume(
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=400,
         cwd=tmp_path,
     )
     output = second.stdout + second.stderr
@@ -289,7 +289,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
             if line.startswith("writing"):
                 proc.send_signal(signal.SIGKILL)
                 break
-        assert proc.wait(timeout=120) == -signal.SIGKILL
+        assert proc.wait(timeout=240) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -422,7 +422,7 @@ def test_preemptible_example_resumes_after_ctrl_c(tmp_path):
                 time.sleep(0.3)  # a few steps into the first epoch
                 proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
                 break
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -427,7 +427,7 @@ def test_workers_with_different_device_counts_are_refused(tmp_path):
             )
         )
     try:
-        outputs = [p.communicate(timeout=200)[0] for p in procs]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -76,7 +76,7 @@ def npz_max_relative_difference(a, b):
 
 
 def run_torch_script(
-    directory, source, args=(), timeout=180, env=None, name="script.py"
+    directory, source, args=(), timeout=400, env=None, name="script.py"
 ):
     """Writes `source` to ``directory/name`` and runs it under torch.
 

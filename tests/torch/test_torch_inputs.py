@@ -296,7 +296,7 @@ elif case == "off_all_empty":
 """
 
 
-def _run(tmp_path, body, args, timeout=150, name="script.py", timeout_s=None):
+def _run(tmp_path, body, args, timeout=400, name="script.py", timeout_s=None):
     env = {"KERAS_DIST_CPU_DEVICES": "2", "TF_CPP_MIN_LOG_LEVEL": "3"}
     if timeout_s:
         env["KERAS_DIST_TIMEOUT"] = str(timeout_s)
@@ -443,7 +443,7 @@ def test_custom_loop_example_equals_fit(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):

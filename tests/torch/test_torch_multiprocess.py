@@ -105,7 +105,7 @@ model.fit(np.ones((64, 4)), np.ones((64,)), batch_size=4, epochs=100,
 """
 
 
-def _run(tmp_path, body, args, timeout=180, devices=None, env=None):
+def _run(tmp_path, body, args, timeout=400, devices=None, env=None):
     env = dict(env or {})
     if devices:
         env["KERAS_DIST_CPU_DEVICES"] = str(devices)
@@ -281,7 +281,7 @@ def test_clean_exit_while_watchdog_polls(tmp_path):
         tmp_path,
         body,
         [],
-        timeout=120,
+        timeout=300,
         env={"KERAS_DIST_POLL_SECONDS": "0.0005"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -413,7 +413,7 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc_per_node=2", str(script), str(tmp_path / "torchrun")],
-        env=env, capture_output=True, text=True, timeout=180,
+        env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     _check_joined(tmp_path, "torchrun")
@@ -435,7 +435,7 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
         for r in (0, 1)
     ]
     for task, log in zip(tasks, logs):
-        task.wait(timeout=180)
+        task.wait(timeout=400)
         log.seek(0)
         assert task.returncode == 0, log.read()[-3000:]
         log.close()

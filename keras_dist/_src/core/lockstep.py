@@ -47,7 +47,56 @@ def _empty_like(batch):
     )
 
 
-class GatheredAdapter(glue.DataAdapter):
+class LockstepAdapter(glue.DataAdapter):
+    """Base of the adapters that keep processes in step over their shares.
+
+    Holds Keras's adapter of this process's share (`inner`) and the batch
+    count the processes agreed on (the largest, or None when any is
+    unknown); subclasses yield the batches. torch's `AgreedAdapter` and
+    `GatheredAdapter` below build on it.
+
+    Args:
+        inner: the Keras `DataAdapter` of this process's share.
+        what: what the input is for, used in error messages.
+        num_batches: the agreed number of batches, or None.
+    """
+
+    def __init__(self, inner, what: str, num_batches):
+        self.inner = inner
+        self.what = what
+        self._num_batches = num_batches
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    @property
+    def batch_size(self):
+        return self.inner.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+
+def agreed_num_batches(counts) -> int | None:
+    """The batch count of processes whose shares hold `counts` batches
+    (None where unknown): the largest, or None if any is unknown."""
+    counts = list(counts)
+    return None if None in counts else max(counts)
+
+
+class GatheredAdapter(LockstepAdapter):
     """A Keras data adapter yielding global batches built from every
     process's local batches (see the module docstring).
 
@@ -62,18 +111,18 @@ class GatheredAdapter(glue.DataAdapter):
     """
 
     def __init__(self, inner, what: str, runtime, gather):
-        self.inner = inner
-        self.what = what
+        count = inner.num_batches
+        known = [
+            p[0] for p in gather([np.array([count is not None, count or 0])])
+        ]
+        super().__init__(
+            inner,
+            what,
+            agreed_num_batches(int(n) if k else None for k, n in known),
+        )
         self.runtime = runtime
         self.gather = gather
         self._template = None
-        count = inner.num_batches
-        known = np.stack(
-            [p[0] for p in gather([np.array([count is not None, count or 0])])]
-        )
-        self._num_batches = (
-            int(known[:, 1].max()) if known[:, 0].all() else None
-        )
 
     def _global_batches(self):
         iterator = iter(self.inner.get_numpy_iterator())
@@ -148,28 +197,6 @@ class GatheredAdapter(glue.DataAdapter):
             "GatheredAdapter is for JAX and TensorFlow; torch steps on local "
             "batches (AgreedAdapter)."
         )
-
-    @property
-    def num_batches(self):
-        return self._num_batches
-
-    @property
-    def batch_size(self):
-        return self.inner.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
-
-    def on_epoch_begin(self):
-        self.inner.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self.inner.on_epoch_end()
 
 
 def _encode(template) -> str:

@@ -37,7 +37,7 @@ from keras import tree
 
 from keras_dist._src.core import policies
 from keras_dist._src.core.inputs import DistributedDataset
-from keras_dist._src.keras_glue import internals as glue
+from keras_dist._src.core.lockstep import LockstepAdapter
 from keras_dist._src.options import ShardPolicy
 
 
@@ -78,7 +78,7 @@ class _AgreedIterable(torch.utils.data.IterableDataset):
         return self.adapter.agreed_batches()
 
 
-class AgreedAdapter(glue.DataAdapter):
+class AgreedAdapter(LockstepAdapter):
     """A Keras data adapter over this rank's local batches, in lockstep.
 
     Wraps the Keras adapter of this rank's own input. Before each step the
@@ -95,8 +95,6 @@ class AgreedAdapter(glue.DataAdapter):
 
     def __init__(self, engine, inner, what: str):
         self.engine = engine
-        self.inner = inner
-        self.what = what
         self._template = None
         counts = inner.num_batches
         known = torch.tensor(
@@ -108,7 +106,9 @@ class AgreedAdapter(glue.DataAdapter):
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=engine.aux_group)
         most = known.clone()
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=engine.aux_group)
-        self._num_batches = int(most[1]) if int(flags[0]) == 1 else None
+        super().__init__(
+            inner, what, int(most[1]) if int(flags[0]) == 1 else None
+        )
 
     def agreed_batches(self):
         """Yields this rank's batches (or empty ones) in lockstep."""
@@ -178,28 +178,6 @@ class AgreedAdapter(glue.DataAdapter):
 
     def get_jax_iterator(self):
         raise NotImplementedError("AgreedAdapter is for the torch backend.")
-
-    @property
-    def num_batches(self):
-        return self._num_batches
-
-    @property
-    def batch_size(self):
-        return self.inner.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
-
-    def on_epoch_begin(self):
-        self.inner.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self.inner.on_epoch_end()
 
 
 # -- rewriting the arguments of fit/evaluate/predict --------------------------
