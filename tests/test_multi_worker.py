@@ -279,7 +279,7 @@ def parse(line):
 
 
 for policy in ("off", "file"):
-    strategy.extended.shard_policy = keras_dist.ShardPolicy(policy)
+    strategy.extended.input_options = keras_dist.InputOptions(policy)
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)),
                                   keras.layers.Dense(8, activation="tanh"),

@@ -387,8 +387,9 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
     if kind == "multi_worker" and runtime.world_size > 1:
         from keras_dist._src.backends.jax.multi_worker import MultiWorkerEngine
 
-        policy = (input_options or InputOptions()).shard_policy
-        return MultiWorkerEngine(devices, sync_batch_norm, runtime, policy)
+        return MultiWorkerEngine(
+            devices, sync_batch_norm, runtime, input_options or InputOptions()
+        )
     del kind, runtime
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])

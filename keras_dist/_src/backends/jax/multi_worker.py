@@ -56,10 +56,10 @@ def _from_chief(value):
 class MultiWorkerEngine(MirroredEngine):
     """`MirroredEngine` whose mesh spans the devices of every process."""
 
-    def __init__(self, devices, sync_batch_norm: bool, runtime, policy):
+    def __init__(self, devices, sync_batch_norm: bool, runtime, options):
         super().__init__(devices, sync_batch_norm)
         self.runtime = runtime
-        self.shard_policy = policy
+        self.input_options = options
         # Predictions and logs must be readable on every process.
         self.predict_out_shardings = (self.replicated, self.replicated)
         self._watchdog = None
@@ -94,7 +94,7 @@ class MultiWorkerEngine(MirroredEngine):
             method,
             args,
             kwargs,
-            self.shard_policy,
+            self.input_options.shard_policy,
             self.runtime.rank,
             self.runtime.world_size,
             lambda inner, what: GatheredAdapter(

@@ -151,9 +151,9 @@ def new_strategy(environment):
 class MultiWorkerEngine(MirroredEngine):
     """`MirroredEngine` over a tf.distribute MultiWorkerMirroredStrategy."""
 
-    def __init__(self, devices, sync_batch_norm: bool, runtime, policy):
+    def __init__(self, devices, sync_batch_norm: bool, runtime, options):
         # No MirroredStrategy of its own: the multi-worker one replaces it.
-        self.shard_policy = policy
+        self.input_options = options
         self.devices = tuple(devices)
         self.sync_batch_norm = sync_batch_norm
         self.runtime = runtime
@@ -178,7 +178,7 @@ class MultiWorkerEngine(MirroredEngine):
             method,
             args,
             kwargs,
-            self.shard_policy,
+            self.input_options.shard_policy,
             self.runtime.rank,
             self.runtime.world_size,
             wrap,

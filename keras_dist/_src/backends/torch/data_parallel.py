@@ -58,6 +58,7 @@ from keras_dist._src.keras_glue.losses import (
     warn_user_losses,
     watch_user_losses,
 )
+from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 
@@ -928,7 +929,7 @@ class MirroredEngine:
 
         # Set by the input of FILE/OFF policies: the next batch is local.
         self.local_batches = LocalBatchTracker()
-        self.input_options = None
+        self.input_options = InputOptions()
         # (start, n_global) of this rank's shard in the step in progress,
         # and the same during a training forward (for `global_dropout`).
         self.shard_offset = None
@@ -1111,7 +1112,7 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
     if not isinstance(runtime, TorchRuntime):
         return OneDeviceEngine(devices[0])
     engine = MirroredEngine(devices, sync_batch_norm, runtime)
-    engine.input_options = input_options
+    engine.input_options = input_options or InputOptions()
     return engine
 
 

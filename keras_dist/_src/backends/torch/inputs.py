@@ -38,7 +38,6 @@ from keras import tree
 from keras_dist._src.core import policies
 from keras_dist._src.core.inputs import DistributedDataset
 from keras_dist._src.core.lockstep import LockstepAdapter
-from keras_dist._src.options import ShardPolicy
 
 
 # -- agreement on the step count ----------------------------------------------
@@ -189,14 +188,12 @@ def prepare_arguments(engine, name, method, args, kwargs):
     Returns:
         The new ``(args, kwargs)``.
     """
-    options = getattr(engine, "input_options", None)
-    base = options.shard_policy if options is not None else ShardPolicy.DATA
     return policies.prepare_arguments(
         name,
         method,
         args,
         kwargs,
-        base,
+        engine.input_options.shard_policy,
         engine.rank,
         engine.world_size,
         lambda inner, what: AgreedAdapter(engine, inner, what),
