@@ -156,6 +156,42 @@ def test_hung_worker_stops_the_job(tmp_path):
     assert seconds < 240
 
 
+def _run_tf_config_workers(script, args, envs, timeout=300):
+    """Starts one process of `script` per entry of `envs` (extra variables),
+    each with its own TF_CONFIG on free localhost ports, as a user starts
+    workers by hand; returns the processes and their outputs."""
+    from keras_dist._src.cluster.launcher import free_port
+
+    workers = [f"127.0.0.1:{free_port()}" for _ in envs]
+    procs = []
+    for index, extra in enumerate(envs):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("KERAS_DIST_CPU_DEVICES", None)
+        env.update(extra)
+        env["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": workers},
+                "task": {"type": "worker", "index": index},
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *map(str, args)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return procs, outputs
+
+
 TUTORIAL = """
 import json, os, sys
 import numpy as np
@@ -198,8 +234,6 @@ def test_keras_multi_worker_tutorial_shape(tmp_path):
     keras-team/keras#20585)."""
     import tensorflow as tf
 
-    from keras_dist._src.cluster.launcher import free_port
-
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
         [
@@ -221,37 +255,8 @@ def test_keras_multi_worker_tutorial_shape(tmp_path):
 
     script = tmp_path / "tutorial.py"
     script.write_text(TUTORIAL)
-    workers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    procs = []
-    for index in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("KERAS_DIST_CPU_DEVICES", None)
-        env["TF_CONFIG"] = json.dumps(
-            {
-                "cluster": {"worker": workers},
-                "task": {"type": "worker", "index": index},
-            }
-        )
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(script),
-                    str(tmp_path / "init.npz"),
-                    str(tmp_path / "out"),
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    args = [tmp_path / "init.npz", tmp_path / "out"]
+    procs, outputs = _run_tf_config_workers(script, args, [{}, {}])
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
     for index in range(2):
@@ -400,38 +405,13 @@ class _Batches(keras.utils.PyDataset):
 def test_workers_with_different_device_counts_are_refused(tmp_path):
     """tf.distribute counts this worker's devices times the worker count:
     workers with 2 and 1 simulated CPUs would disagree on the replicas."""
-    from keras_dist._src.cluster.launcher import free_port
-
     script = tmp_path / "counts.py"
     script.write_text(
         "import keras_dist\nkeras_dist.MultiWorkerMirroredStrategy()\n"
     )
-    workers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    procs = []
-    for index, devices in enumerate((2, 1)):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env["KERAS_DIST_CPU_DEVICES"] = str(devices)
-        env["TF_CONFIG"] = json.dumps(
-            {
-                "cluster": {"worker": workers},
-                "task": {"type": "worker", "index": index},
-            }
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outputs = _run_tf_config_workers(
+        script, [], [{"KERAS_DIST_CPU_DEVICES": str(n)} for n in (2, 1)]
+    )
     for p, out in zip(procs, outputs):
         assert p.returncode != 0, out[-3000:]
         assert "the workers have [2, 1]" in out, out[-3000:]
