@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-_MISSING = object()
+from keras_dist._src.patching import InstancePatches
 
 
 class watch_user_losses:  # noqa: N801 - used as a context manager
@@ -29,7 +29,7 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
         self.found = False
 
     def __enter__(self):
-        self._patched = []
+        self._patches = InstancePatches()
         if self._model.__dict__.get("_keras_dist_add_loss_warned"):
             return self
         for layer in self._model._flatten_layers(include_self=True):
@@ -43,7 +43,7 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
                     self.found = True
                 return original_add(loss)
 
-            self._patch(layer, "add_loss", add_loss)
+            self._patches.set(layer, "add_loss", add_loss)
             regularizer = layer.activity_regularizer
             if regularizer is not None:
 
@@ -51,19 +51,11 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
                     state["regularizing"] = True
                     return regularizer(x)
 
-                self._patch(layer, "activity_regularizer", regularize)
+                self._patches.set(layer, "activity_regularizer", regularize)
         return self
 
-    def _patch(self, obj, name, value):
-        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        obj.__dict__[name] = value
-
     def __exit__(self, *exc):
-        for obj, name, old in reversed(self._patched):
-            if old is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = old
+        self._patches.restore()
         return False
 
 

@@ -47,6 +47,7 @@ from keras_dist._src.keras_glue.losses import (
     watch_user_losses,
 )
 from keras_dist._src.options import InputOptions
+from keras_dist._src.patching import InstancePatches
 from keras_dist._src.values import PerReplica, ReduceOp
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -638,7 +639,7 @@ class _no_replica_loss_scaling:
     def __enter__(self):
         self._scale, self._unscale = glue.loss_distribution_scaling()
         glue.set_loss_distribution_scaling(_identity, _identity)
-        self._patched = []
+        self._patches = InstancePatches()
         compile_loss = glue.compile_loss(self._model)
         for metric in getattr(compile_loss, "metrics", None) or []:
             if metric is None:
@@ -650,19 +651,12 @@ class _no_replica_loss_scaling:
                     tf.cast(value, "float32"), sample_weight=self._share
                 )
 
-            self._patched.append(
-                (metric, metric.__dict__.get("update_state", _MISSING))
-            )
-            metric.__dict__["update_state"] = update_state
+            self._patches.set(metric, "update_state", update_state)
         return self
 
     def __exit__(self, *exc):
         glue.set_loss_distribution_scaling(self._scale, self._unscale)
-        for metric, old in reversed(self._patched):
-            if old is _MISSING:
-                metric.__dict__.pop("update_state", None)
-            else:
-                metric.__dict__["update_state"] = old
+        self._patches.restore()
         return False
 
 
@@ -790,7 +784,7 @@ class _local_optimizer:
 
     def __enter__(self):
         self._swapped = []
-        self._patched = []
+        self._patches = InstancePatches()
         optimizers = [self._optimizer]
         inner = getattr(self._optimizer, "inner_optimizer", None)
         if inner is not None:
@@ -799,7 +793,7 @@ class _local_optimizer:
         for opt in optimizers:
             variables.extend(opt.variables)
             for name, method in glue.replica_local_optimizer_methods(opt):
-                self._patch(opt, name, method)
+                self._patches.set(opt, name, method)
         seen = set()
         for variable in variables:
             value = glue.variable_value(variable)
@@ -817,19 +811,11 @@ class _local_optimizer:
                 "replica-local optimizer update."
             )
 
-        self._patch(self._context, "merge_call", no_merge_call)
+        self._patches.set(self._context, "merge_call", no_merge_call)
         return self
-
-    def _patch(self, obj, name, value):
-        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        obj.__dict__[name] = value
 
     def __exit__(self, *exc):
         for variable, value in reversed(self._swapped):
             glue.set_variable_value(variable, value)
-        for obj, name, old in reversed(self._patched):
-            if old is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = old
+        self._patches.restore()
         return False
