@@ -172,6 +172,22 @@ def _local_input(
     return wrap(inner, what)
 
 
+def prepare_worker_call(engine, name, method, args, kwargs, wrap):
+    """`prepare_arguments` for a multi-worker engine: its strategy's
+    `InputOptions` (``engine.input_options``) and its Runtime's rank and
+    world size (``engine.runtime``)."""
+    return prepare_arguments(
+        name,
+        method,
+        args,
+        kwargs,
+        engine.input_options.shard_policy,
+        engine.runtime.rank,
+        engine.runtime.world_size,
+        wrap,
+    )
+
+
 def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
     """Applies the shard policy to the input arguments of `name`.
 

@@ -89,14 +89,12 @@ class MultiWorkerEngine(MirroredEngine):
     def prepare_call(self, name, method, args, kwargs):
         """FILE/OFF input: each process reads its share (`core.policies`)
         and `GatheredAdapter` assembles the global batches."""
-        return policies.prepare_arguments(
+        return policies.prepare_worker_call(
+            self,
             name,
             method,
             args,
             kwargs,
-            self.input_options.shard_policy,
-            self.runtime.rank,
-            self.runtime.world_size,
             lambda inner, what: GatheredAdapter(
                 inner, what, self.runtime, _process_allgather
             ),

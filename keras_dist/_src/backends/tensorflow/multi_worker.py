@@ -173,15 +173,8 @@ class MultiWorkerEngine(MirroredEngine):
             channel = self.runtime.channel("input")
             return GatheredAdapter(inner, what, channel, channel.all_gather)
 
-        return policies.prepare_arguments(
-            name,
-            method,
-            args,
-            kwargs,
-            self.input_options.shard_policy,
-            self.runtime.rank,
-            self.runtime.world_size,
-            wrap,
+        return policies.prepare_worker_call(
+            self, name, method, args, kwargs, wrap
         )
 
 
