@@ -313,3 +313,51 @@ def replace_jax_distribute_tensor(make):
         distribution_lib.distribute_tensor = original
 
     return restore
+
+
+# -- saving -------------------------------------------------------------------
+def cache_saving_attr_skipsets() -> None:
+    """Makes Keras's private `saving_lib.get_attr_skipset` compute each
+    object type's set once per process, on a thread of its own; idempotent.
+
+    Keras builds the set on every save and load (its cache in
+    `global_state` is read under another key than it is written) from
+    reference objects, an `Optimizer(1.0)` among them, whose variables a
+    strategy scope makes distributed: a collective broadcast under a
+    multi-worker strategy, which no other worker joins when only the chief
+    saves. On a fresh thread no scope is active, the variables are plain,
+    and the sets (attribute names only) are the same.
+    """
+    import threading
+
+    from keras.src.saving import saving_lib
+
+    original = saving_lib.get_attr_skipset
+    if getattr(original, "__keras_dist_original__", None) is not None:
+        return
+    cache = {}
+    lock = threading.Lock()
+
+    def get_attr_skipset(obj_type):
+        with lock:
+            if obj_type not in cache:
+                result = []
+
+                def compute():
+                    try:
+                        result.append(original(obj_type))
+                    except Exception as error:  # noqa: BLE001 - re-raised
+                        result.append(error)
+
+                thread = threading.Thread(
+                    target=compute, name="keras_dist-saving-skipset"
+                )
+                thread.start()
+                thread.join()
+                if isinstance(result[0], Exception):
+                    raise result[0]
+                cache[obj_type] = result[0]
+            return set(cache[obj_type])
+
+    get_attr_skipset.__keras_dist_original__ = original
+    saving_lib.get_attr_skipset = get_attr_skipset

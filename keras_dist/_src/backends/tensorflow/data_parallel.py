@@ -159,6 +159,10 @@ class MirroredEngine(_EngineBase):
                 "so its variables are not mirrored. Create the model (not "
                 "only compile it) inside `with strategy.scope():`."
             )
+        # Saving builds reference objects with variables: made distributed
+        # here, they would need a collective that a chief-only save (a
+        # callback's) makes alone.
+        glue.cache_saving_attr_skipsets()
         extended = self.tf_strategy.extended
         for variable in model.variables:
             if not extended.variable_created_in_scope(variable.value):
