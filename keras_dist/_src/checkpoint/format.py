@@ -23,11 +23,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
 import shutil
+import stat
+import struct
+import sys
 import warnings
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -161,6 +167,11 @@ def _encode(arrays: dict):
                 f"Cannot checkpoint {key!r}: arrays of Python objects "
                 "would need pickle. Store numbers or strings in metadata."
             )
+        if dtype.name not in DTYPES:
+            raise CheckpointError(
+                f"Cannot checkpoint {key!r}: its dtype {dtype} is not one "
+                f"a checkpoint holds ({', '.join(sorted(DTYPES))})."
+            )
         if not _is_builtin(dtype):
             # bfloat16, float8, int4 (ml_dtypes): store the raw bits.
             array = array.view(f"u{dtype.itemsize}")
@@ -226,49 +237,367 @@ def candidates(root: str) -> list[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+# Dtypes a checkpoint may hold: NumPy's numeric ones, stored as they are,
+# and the ml_dtypes types Keras uses, stored as raw unsigned bits.
+_NUMPY_DTYPES = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 "
+    "float32 float64 complex64 complex128".split()
+)
+_ML_DTYPES = {  # name: (kind, bytes)
+    "bfloat16": ("f", 2),
+    "float8_e4m3fn": ("f", 1),
+    "float8_e4m3fnuz": ("f", 1),
+    "float8_e4m3b11fnuz": ("f", 1),
+    "float8_e5m2": ("f", 1),
+    "float8_e5m2fnuz": ("f", 1),
+    "int4": ("i", 1),
+    "uint4": ("u", 1),
+}
+DTYPES = _NUMPY_DTYPES | frozenset(_ML_DTYPES)
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$")
+_MEMBER_NAME = re.compile(r"^a\d{1,9}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_MAX_SMALL_FILE = 256 << 20  # metadata.json, COMMIT
+_MAX_NDIM = 64
+# What reading a damaged arrays file can raise (every one becomes a
+# CheckpointCorruptError).
+_READ_ERRORS = (
+    OSError,
+    ValueError,
+    KeyError,
+    EOFError,
+    TypeError,
+    OverflowError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+    struct.error,
+)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _invalid(path: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{path} is invalid: {what}.")
+
+
+def _read_small(path: str, name: str) -> bytes:
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read(_MAX_SMALL_FILE + 1)
+    except OSError as error:
+        raise CheckpointCorruptError(
+            f"{path}/{name} is unreadable: {error}"
+        ) from None
+    if len(data) > _MAX_SMALL_FILE:
+        raise _invalid(path, f"{name} is larger than {_MAX_SMALL_FILE} bytes")
+    return data
+
+
+def _parse_json(path: str, name: str, data: bytes) -> dict:
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as error:  # JSON, UTF-8
+        raise _invalid(path, f"{name} is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise _invalid(path, f"{name} is not a JSON object")
+    return value
+
+
+def _check_version(path: str, name: str, record: dict) -> int:
+    if record.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(
+            f"{path} is not a keras_dist checkpoint ({name} names format "
+            f"{record.get('format')!r})."
+        )
+    version = record.get("format_version")
+    if not _is_int(version) or version < 1:
+        raise _invalid(path, f"{name} has format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {version}, newer than this "
+            f"keras_dist reads ({FORMAT_VERSION}); upgrade it."
+        )
+    return version
+
+
 def read_metadata(path: str) -> dict:
-    """Checks the COMMIT marker and file sizes; returns the metadata.
+    """Checks the COMMIT marker, the metadata and file sizes.
 
     Cheap: reads the small files and stats the arrays file (no hashing of
-    the arrays; `load_arrays` verifies their checksum).
+    the arrays; `verify` and `load_arrays` check them). Every field is
+    validated (types, dtypes from `DTYPES`, file names without separators,
+    the step against the directory's name) before any other file is
+    touched.
+
+    Returns:
+        The metadata.
 
     Raises:
-        CheckpointCorruptError: for a partial or damaged checkpoint.
+        CheckpointCorruptError: for a partial, damaged or invalid
+            checkpoint (the message names the defect).
+        CheckpointError: for a checkpoint of a newer format.
     """
-    commit_path = os.path.join(path, COMMIT_FILE)
-    if not os.path.exists(commit_path):
+    if not os.path.isfile(os.path.join(path, COMMIT_FILE)):
         raise CheckpointCorruptError(
             f"{path} has no {COMMIT_FILE} marker: it is a partial write."
         )
-    try:
-        with open(commit_path, "rb") as f:
-            commit = json.loads(f.read())
-        with open(os.path.join(path, METADATA_FILE), "rb") as f:
-            meta_bytes = f.read()
-    except (OSError, ValueError) as error:
-        raise CheckpointCorruptError(f"{path} is unreadable: {error}") from None
-    if hashlib.sha256(meta_bytes).hexdigest() != commit.get("metadata_sha256"):
+    for name in (COMMIT_FILE, METADATA_FILE):
+        if os.path.islink(os.path.join(path, name)):
+            raise _invalid(path, f"{name} is a symbolic link")
+    commit = _parse_json(path, COMMIT_FILE, _read_small(path, COMMIT_FILE))
+    version = _check_version(path, COMMIT_FILE, commit)
+    step = commit.get("step")
+    if not _is_int(step) or step < 0:
+        raise _invalid(path, f"{COMMIT_FILE} has step {step!r}")
+    named = step_of(path)
+    if named is not None and named != step:
+        raise _invalid(
+            path,
+            f"its name says step {named} but its {COMMIT_FILE} says {step}",
+        )
+    digest = commit.get("metadata_sha256")
+    if not isinstance(digest, str) or not _SHA256.match(digest):
+        raise _invalid(path, f"{COMMIT_FILE} has no valid metadata_sha256")
+    meta_bytes = _read_small(path, METADATA_FILE)
+    if hashlib.sha256(meta_bytes).hexdigest() != digest:
         raise CheckpointCorruptError(
             f"{path}/{METADATA_FILE} does not match the checksum in "
             f"{COMMIT_FILE}: the file is damaged."
         )
-    metadata = json.loads(meta_bytes)
-    if metadata.get("format") != FORMAT_NAME:
-        raise CheckpointCorruptError(f"{path} is not a keras_dist checkpoint.")
-    if int(metadata.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has format version {metadata['format_version']}, newer "
-            f"than this keras_dist reads ({FORMAT_VERSION}); upgrade it."
-        )
+    metadata = _parse_json(path, METADATA_FILE, meta_bytes)
+    if _check_version(path, METADATA_FILE, metadata) != version:
+        raise _invalid(path, "its COMMIT and metadata versions differ")
+    _check_metadata(path, metadata, step)
     for name, info in metadata["files"].items():
-        file_path = os.path.join(path, name)
-        size = os.path.getsize(file_path) if os.path.exists(file_path) else -1
+        file_path = os.path.join(path, name)  # `name` has no separator
+        try:
+            found = os.lstat(file_path)
+            size = found.st_size if stat.S_ISREG(found.st_mode) else -2
+        except OSError:
+            size = -1
+        if size == -2:
+            raise _invalid(path, f"{name} is not a regular file")
         if size != info["bytes"]:
             raise CheckpointCorruptError(
                 f"{file_path} has {max(size, 0)} bytes, {info['bytes']} were "
                 "written: it is truncated or missing."
             )
     return metadata
+
+
+def _check_metadata(path: str, metadata: dict, step: int) -> None:
+    """Validates every field the reader uses (see `read_metadata`)."""
+    if metadata.get("step") != step or not _is_int(metadata.get("step")):
+        raise _invalid(
+            path,
+            f"its metadata says step {metadata.get('step')!r}, its name "
+            f"and {COMMIT_FILE} say {step}",
+        )
+    files = metadata.get("files")
+    if not isinstance(files, dict) or ARRAYS_FILE not in files:
+        raise _invalid(path, f"its metadata lists no {ARRAYS_FILE!r} file")
+    for name, info in files.items():
+        if (
+            not _FILE_NAME.match(name)
+            or len(name) > 128
+            or name in (COMMIT_FILE, METADATA_FILE)
+        ):
+            raise _invalid(path, f"its metadata names a file {name!r}")
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("sha256"), str)
+            or not _SHA256.match(info["sha256"])
+            or not _is_int(info.get("bytes"))
+            or info["bytes"] < 0
+        ):
+            raise _invalid(path, f"its metadata entry of {name!r} is {info!r}")
+    entries = metadata.get("arrays")
+    if not isinstance(entries, list):
+        raise _invalid(path, "its metadata has no list of arrays")
+    keys, names, total = set(), set(), 0
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise _invalid(path, f"an array entry is {entry!r}")
+        key, name = entry.get("key"), entry.get("name")
+        dtype, shape = entry.get("dtype"), entry.get("shape")
+        if not isinstance(key, str) or not key or key in keys:
+            raise _invalid(path, f"an array key is {key!r} (or repeated)")
+        if not isinstance(name, str) or not _MEMBER_NAME.match(name):
+            raise _invalid(path, f"array {key!r} is stored as {name!r}")
+        if name in names:
+            raise _invalid(path, f"two arrays are stored as {name!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _invalid(
+                path,
+                f"array {key!r} has dtype {dtype!r}, not one of "
+                f"{', '.join(sorted(DTYPES))}",
+            )
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(_is_int(n) and n >= 0 for n in shape)
+        ):
+            raise _invalid(path, f"array {key!r} has shape {shape!r}")
+        keys.add(key)
+        names.add(name)
+        total += math.prod(shape) * _stored_dtype(dtype).itemsize
+    if total > files[ARRAYS_FILE]["bytes"]:
+        raise _invalid(
+            path,
+            f"its arrays need {total} bytes but {ARRAYS_FILE} has "
+            f"{files[ARRAYS_FILE]['bytes']}",
+        )
+    position = metadata.get("position", {})
+    if not isinstance(position, dict):
+        raise _invalid(path, f"its position is {position!r}")
+    for field in ("epoch", "step_in_epoch", "global_step"):
+        value = position.get(field, 0)
+        if not _is_int(value) or value < 0:
+            raise _invalid(path, f"its position has {field}={value!r}")
+    if position.get("global_step", step) != step:
+        raise _invalid(
+            path,
+            f"its position says global step {position['global_step']}, "
+            f"its name says {step}",
+        )
+    per_epoch = position.get("steps_per_epoch")
+    if per_epoch is not None and (not _is_int(per_epoch) or per_epoch < 1):
+        raise _invalid(path, f"its position has steps_per_epoch={per_epoch!r}")
+    for field in ("user", "versions", "strategy"):
+        if not isinstance(metadata.get(field, {}), dict):
+            raise _invalid(path, f"its metadata's {field!r} is not an object")
+
+
+def _stored_dtype(name: str) -> np.dtype:
+    """The dtype an array of dtype `name` (in `DTYPES`) is stored in."""
+    if name in _ML_DTYPES:
+        return np.dtype(f"u{_ML_DTYPES[name][1]}")
+    return np.dtype(name)
+
+
+def _dtype(name: str):
+    if name in _ML_DTYPES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def _check_digest(path: str, expected: dict) -> None:
+    file_path = os.path.join(path, ARRAYS_FILE)
+    try:
+        digest = _file_digest(file_path)
+    except OSError as error:
+        raise CheckpointCorruptError(
+            f"{file_path} is unreadable: {error}"
+        ) from None
+    if digest["sha256"] != expected["sha256"]:
+        raise CheckpointCorruptError(
+            f"{file_path} does not match its SHA-256 checksum: the file is "
+            "damaged."
+        )
+
+
+def _scan_member(path: str, archive, entry: dict) -> None:
+    """Checks one stored array's header against its metadata entry."""
+    name = entry["name"]
+    where = f"array {entry['key']!r} ({name})"
+    try:
+        info = archive.getinfo(name + ".npy")
+    except KeyError:
+        raise _invalid(path, f"{ARRAYS_FILE} lacks {where}") from None
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _invalid(path, f"{where} is compressed (never written so)")
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            header = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            header = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise _invalid(path, f"{where} has .npy version {version}")
+        shape, _, dtype = header
+        start = f.tell()
+    expected = _stored_dtype(entry["dtype"])
+    if dtype != expected:
+        raise _invalid(
+            path,
+            f"{where} is stored as {dtype}, its metadata says "
+            f"{entry['dtype']} (stored as {expected})",
+        )
+    if list(shape) != entry["shape"]:
+        raise _invalid(
+            path,
+            f"{where} is stored with shape {list(shape)}, its metadata "
+            f"says {entry['shape']}",
+        )
+    if info.file_size != start + math.prod(shape) * dtype.itemsize:
+        raise _invalid(
+            path,
+            f"{where} holds {info.file_size - start} bytes, its shape and "
+            f"dtype need {math.prod(shape) * dtype.itemsize}",
+        )
+
+
+def _open_arrays(path: str, metadata: dict):
+    archive = zipfile.ZipFile(os.path.join(path, ARRAYS_FILE))
+    wanted = {e["name"] + ".npy" for e in metadata["arrays"]}
+    extra = set(archive.namelist()) - wanted
+    if extra:
+        archive.close()
+        raise _invalid(
+            path,
+            f"{ARRAYS_FILE} holds arrays its metadata does not list: "
+            f"{sorted(extra)[:5]}",
+        )
+    return archive
+
+
+def verify(path: str) -> dict:
+    """Checks a checkpoint as `load_arrays` does, without keeping arrays.
+
+    The metadata, the arrays file's SHA-256, every stored array's header
+    (dtype, shape, size), the zip's CRCs and the random-generator states:
+    a checkpoint that passes restores (unless the model differs).
+
+    Returns:
+        The metadata.
+
+    Raises:
+        CheckpointCorruptError: naming the defect.
+        CheckpointError: for a checkpoint of a newer format.
+    """
+    metadata = read_metadata(path)
+    _check_digest(path, metadata["files"][ARRAYS_FILE])
+    try:
+        with _open_arrays(path, metadata) as archive:
+            rng = {}
+            for entry in metadata["arrays"]:
+                _scan_member(path, archive, entry)
+                with archive.open(entry["name"] + ".npy") as f:
+                    if _RNG_KEY.match(entry["key"]):
+                        rng[entry["key"]] = _read_npy(f, entry)
+                    else:
+                        while f.read(_CHUNK):  # the CRC is checked at the end
+                            pass
+    except CheckpointError:
+        raise
+    except _READ_ERRORS as error:
+        raise CheckpointCorruptError(
+            f"{path}/{ARRAYS_FILE} cannot be read: {error}"
+        ) from None
+    check_rng(path, rng)
+    return metadata
+
+
+def _read_npy(f, entry):
+    array = np.lib.format.read_array(f, allow_pickle=False)
+    if entry["dtype"] in _ML_DTYPES:
+        array = array.view(_dtype(entry["dtype"]))
+    return array
 
 
 def load_arrays(path: str, metadata: dict, verify: bool = True) -> dict:
@@ -280,45 +609,88 @@ def load_arrays(path: str, metadata: dict, verify: bool = True) -> dict:
         verify: check the arrays file's SHA-256 first.
 
     Raises:
-        CheckpointCorruptError: on a checksum mismatch or unreadable file.
+        CheckpointCorruptError: on a checksum mismatch, an unreadable file
+            or arrays that do not match the metadata.
     """
-    file_path = os.path.join(path, ARRAYS_FILE)
-    expected = metadata["files"][ARRAYS_FILE]
-    if verify and _file_digest(file_path)["sha256"] != expected["sha256"]:
-        raise CheckpointCorruptError(
-            f"{file_path} does not match its SHA-256 checksum: the file is "
-            "damaged."
-        )
+    if verify:
+        _check_digest(path, metadata["files"][ARRAYS_FILE])
     out = {}
     try:
-        with np.load(file_path, allow_pickle=False) as stored:
+        with _open_arrays(path, metadata) as archive:
             for entry in metadata["arrays"]:
-                array = stored[entry["name"]]
-                dtype = _dtype(entry["dtype"])
-                if array.dtype != dtype:
-                    array = array.view(dtype)
-                out[entry["key"]] = array
-    except (OSError, ValueError, KeyError) as error:
+                _scan_member(path, archive, entry)
+                with archive.open(entry["name"] + ".npy") as f:
+                    out[entry["key"]] = _read_npy(f, entry)
+    except CheckpointError:
+        raise
+    except _READ_ERRORS as error:
         raise CheckpointCorruptError(
-            f"{file_path} cannot be read: {error}"
+            f"{path}/{ARRAYS_FILE} cannot be read: {error}"
         ) from None
+    check_rng(path, {k: v for k, v in out.items() if _RNG_KEY.match(k)})
     return out
 
 
-def _dtype(name: str):
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
+# The random-generator states `state.capture_rng` stores (also under a
+# prefix such as ``epoch_begin/``): what their setters accept.
+_RNG_KEY = re.compile(r"^(?:[A-Za-z0-9_]+/)?rng/")
+_MT_STATE = ("i", (625,))  # Python's and TensorFlow's random.Random
 
-        return np.dtype(getattr(ml_dtypes, name))
+
+def check_rng(path: str, arrays: dict) -> None:
+    """Checks stored random-generator states before anything is set.
+
+    Raises:
+        CheckpointCorruptError: for a state its generator would refuse.
+    """
+    for key, array in arrays.items():
+        base = key[key.index("rng/") :]
+        problem = _rng_problem(base, array)
+        if problem:
+            raise _invalid(path, f"the random state {key!r} {problem}")
+
+
+def _rng_problem(base: str, array) -> str | None:
+    kind, shape = array.dtype.kind, tuple(array.shape)
+    if base in ("rng/python/state", "rng/tensorflow/op_seed"):
+        if kind not in "iu" or shape != (625,):
+            return f"is {array.dtype}{list(shape)}, not 625 integers"
+        if array[:624].min() < 0 or array[:624].max() >= 1 << 32:
+            return "holds words outside 32 bits"
+        if not 0 <= int(array[624]) <= 624:
+            return f"has position {int(array[624])}"
+    elif base == "rng/python/gauss":
+        if kind != "f" or shape != (1,):
+            return f"is {array.dtype}{list(shape)}, not one float"
+    elif base == "rng/numpy/keys":
+        if array.dtype != np.uint32 or shape != (624,):
+            return f"is {array.dtype}{list(shape)}, not 624 uint32"
+    elif base == "rng/numpy/extra":
+        if kind != "f" or shape != (3,):
+            return f"is {array.dtype}{list(shape)}, not 3 floats"
+        pos, has_gauss, cached = (float(v) for v in array)
+        if pos not in range(625) or has_gauss not in (0.0, 1.0):
+            return f"has position {pos} and gauss flag {has_gauss}"
+        if not math.isfinite(cached):
+            return "has a cached gaussian that is not finite"
+    elif base == "rng/torch/cpu":
+        if array.dtype != np.uint8 or len(shape) != 1:
+            return f"is {array.dtype}{list(shape)}, not bytes"
+        if "torch" in sys.modules:
+            size = int(sys.modules["torch"].get_rng_state().numel())
+            if shape[0] != size:
+                return f"has {shape[0]} bytes, torch's has {size}"
+    elif kind not in "biuf" and array.dtype.name not in _ML_DTYPES:
+        return f"has dtype {array.dtype}"
+    return None
 
 
 def latest(root: str, warn: bool = True) -> str | None:
     """The newest complete checkpoint under `root`, or None.
 
-    Partial or damaged ones are skipped, with a warning naming them (as
-    are leftovers of interrupted writes).
+    Checks each candidate as `restore` does (`verify`): partial, damaged
+    or invalid ones are skipped, with one warning each naming the defect
+    (as are leftovers of interrupted writes).
     """
     if warn:
         for name in partial_writes(root):
@@ -329,7 +701,7 @@ def latest(root: str, warn: bool = True) -> str | None:
             )
     for path in candidates(root):
         try:
-            read_metadata(path)
+            verify(path)
         except CheckpointError as error:
             if warn:
                 warnings.warn(

@@ -131,11 +131,15 @@ class CheckpointManager:
         return fmt.latest(self.directory)
 
     def all(self) -> list[str]:
-        """Every complete checkpoint's path, newest first."""
+        """Every complete, valid checkpoint's path, newest first.
+
+        Each is checked as `restore` checks it (`format.verify`); invalid
+        ones are left out without a warning.
+        """
         out = []
         for path in fmt.candidates(self.directory):
             try:
-                fmt.read_metadata(path)
+                fmt.verify(path)
             except fmt.CheckpointError:
                 continue
             out.append(path)

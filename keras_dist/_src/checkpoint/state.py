@@ -142,9 +142,28 @@ def match(model, arrays: dict, groups=GROUPS) -> list[tuple]:
     return pairs
 
 
+def _dtype_kind(dtype) -> str:
+    """``"float"``, ``"integer"``, ``"bool"`` or ``"complex"`` (else the
+    dtype's name): what may be stored into a variable of another width."""
+    name = str(getattr(dtype, "name", dtype))
+    if name == "bool":
+        return "bool"
+    if name.startswith(("float", "bfloat")):
+        return "float"
+    if name.startswith(("int", "uint")):
+        return "integer"
+    if name.startswith("complex"):
+        return "complex"
+    return name
+
+
 def _match_group(group, keys, variables, saved, arrays):
     shape = {k: tuple(arrays[k].shape) for k in saved}
     by_key = dict(zip(keys, variables))
+
+    def kind_differs(key, variable):
+        return _dtype_kind(arrays[key].dtype) != _dtype_kind(variable.dtype)
+
     if set(keys) == set(saved):
         bad = [
             f"{k} (checkpoint {shape[k]}, model {tuple(by_key[k].shape)})"
@@ -153,9 +172,17 @@ def _match_group(group, keys, variables, saved, arrays):
         ]
         if bad:
             return [], f"  shapes differ: {', '.join(bad)}"
+        kinds = [
+            f"{k} (checkpoint {arrays[k].dtype}, model {by_key[k].dtype})"
+            for k in keys
+            if kind_differs(k, by_key[k])
+        ]
+        if kinds:
+            return [], f"  dtypes of another kind: {', '.join(kinds)}"
         return [(by_key[k], arrays[k]) for k in keys], None
     same_order = len(keys) == len(saved) and all(
-        shape[s] == tuple(v.shape) for s, v in zip(saved, variables)
+        shape[s] == tuple(v.shape) and not kind_differs(s, v)
+        for s, v in zip(saved, variables)
     )
     if same_order:
         renamed = [(s, k) for s, k in zip(saved, keys) if s != k]
@@ -174,7 +201,16 @@ def _match_group(group, keys, variables, saved, arrays):
         for k in keys
         if k in shape and shape[k] != tuple(by_key[k].shape)
     ]
+    kinds = [
+        f"{k} (checkpoint {arrays[k].dtype}, model {by_key[k].dtype})"
+        for k in keys
+        if k in shape
+        and shape[k] == tuple(by_key[k].shape)
+        and kind_differs(k, by_key[k])
+    ]
     lines = []
+    if kinds:
+        lines.append(f"  dtypes of another kind: {', '.join(kinds)}")
     if missing:
         lines.append(f"  missing from the checkpoint: {', '.join(missing)}")
     if unexpected:
