@@ -15,6 +15,7 @@ from keras_dist._src.cluster.environments import (
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
     KerasDistError,
+    LayoutError,
     StrategyMixingError,
     UnsupportedBackendError,
     VariablesOutsideScopeError,
@@ -23,10 +24,13 @@ from keras_dist._src.keras_glue import (
     check_keras_version as _check_keras_version,
 )
 from keras_dist._src.options import InputOptions, ShardPolicy
+from keras_dist._src.plan import DeviceMesh, LayoutMap
 from keras_dist._src.strategies import (
     MirroredStrategy,
+    ModelParallel,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ShardedDataParallel,
     available_strategies,
     strategy_from_name,
 )
@@ -38,6 +42,11 @@ __version__ = "0.2.0"
 __all__ = [
     "ClusterConfigError",
     "ClusterEnvironment",
+    "DeviceMesh",
+    "LayoutError",
+    "LayoutMap",
+    "ModelParallel",
+    "ShardedDataParallel",
     "MultiWorkerMirroredStrategy",
     "DevicesAlreadyInitializedError",
     "InputOptions",

@@ -43,7 +43,8 @@ def _module_tree(backend, module):
 def _definitions(backend):
     """Top-level functions and classes of every module of a backend."""
     functions, classes = {}, {}
-    for module in contract.INNER_MODULES:
+    modules = {p.stem for p in (BACKEND_DIR / backend).glob("*.py")}
+    for module in sorted(modules):
         tree = _module_tree(backend, module)
         functions.update(_functions(tree))
         classes.update(

@@ -77,7 +77,9 @@ def test_jax_gather_keeps_64_bit_values_exact():
 
     if keras.backend.backend() != "jax":
         pytest.skip("JAX's process_allgather")
-    from keras_dist._src.backends.jax.multi_worker import _process_allgather
+    from keras_dist._src.backends.jax.engine import (
+        process_allgather as _process_allgather,
+    )
 
     arrays = [
         np.array([2**40 + 1, -3], np.int64),

@@ -19,3 +19,8 @@ class StrategyMixingError(KerasDistError, ValueError):
 
 class VariablesOutsideScopeError(KerasDistError, ValueError):
     """A model's variables were created outside the strategy's scope."""
+
+
+class LayoutError(KerasDistError, ValueError):
+    """A mesh, layout map or layout that cannot hold (unknown axis, a
+    dimension its axes do not divide, a key that matches no variable)."""

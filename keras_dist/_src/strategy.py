@@ -14,6 +14,7 @@ from keras_dist._src.devices import check_devices_exist, normalize_device
 from keras_dist._src.errors import StrategyMixingError
 from keras_dist._src.keras_glue import hook
 from keras_dist._src.options import InputOptions
+from keras_dist._src.plan import Plan, ReplicatedPlan
 from keras_dist._src.runtime import Runtime
 from keras_dist._src.values import ReduceOp
 
@@ -41,9 +42,9 @@ class Strategy:
             workers); defaults to ``InputOptions()`` (``ShardPolicy.AUTO``).
     """
 
-    #: Which replicator the backend builds: "one_device", "mirrored" or
-    #: "multi_worker".
-    kind = "mirrored"
+    #: How the strategy finds its processes (`plan.TOPOLOGIES`):
+    #: "one_device", "mirrored" (one host) or "multi_worker".
+    topology = "mirrored"
 
     def __init__(
         self,
@@ -65,7 +66,9 @@ class Strategy:
             devices = [normalize_device(d) for d in devices]
         # The runtime first: joining a job (jax.distributed.initialize) must
         # happen before the backend lists its devices.
-        self._runtime = module.create_runtime(self.kind, devices, environment)
+        self._runtime = module.create_runtime(
+            self.topology, devices, environment
+        )
         try:
             if devices is None:
                 devices = module.default_devices()
@@ -73,12 +76,9 @@ class Strategy:
             self._devices = tuple(check_devices_exist(devices, available))
             self._sync_batch_norm = bool(sync_batch_norm)
             self._input_options = input_options
+            self._plan = self._make_plan(self._devices)
             self._engine = module.create_engine(
-                self.kind,
-                self._devices,
-                runtime=self._runtime,
-                sync_batch_norm=self._sync_batch_norm,
-                input_options=input_options,
+                self._plan, runtime=self._runtime, input_options=input_options
             )
         except BaseException:
             # Leave the job this process joined, so that it does not hold
@@ -87,7 +87,22 @@ class Strategy:
             raise
         hook.install()
 
+    def _make_plan(self, devices) -> Plan:
+        """This strategy's plan over `devices` (this process's devices,
+        once the runtime has joined the job). Data parallel by default."""
+        return ReplicatedPlan(
+            topology=self.topology,
+            devices=tuple(devices),
+            sync_batch_norm=self._sync_batch_norm,
+        )
+
     # -- properties ---------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """What this strategy asks of the backend: mesh, batch axis and the
+        layout of every variable (a `keras_dist` plan)."""
+        return self._plan
+
     @property
     def devices(self) -> tuple[str, ...]:
         """The devices replicas run on, as ``"type:index"`` names."""
@@ -224,8 +239,63 @@ class Strategy:
         """Returns the per-replica parts of `value` as a tuple."""
         return self._engine.local_results(value)
 
+    def describe(self, model, print_fn=print) -> list[dict]:
+        """Every variable's path, global shape, layout and bytes per device.
+
+        Args:
+            model: a model built in this strategy's scope.
+            print_fn: where the table goes (None: nowhere).
+
+        Returns:
+            One dict per variable: ``path``, ``group`` (model, optimizer or
+            metrics), ``shape``, ``dtype``, ``layout`` (a tuple, None per
+            whole dimension) and ``bytes_per_device``.
+        """
+        return describe_variables(self._engine, model, print_fn)
+
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._devices)})"
+
+
+def describe_variables(engine, model, print_fn=print) -> list[dict]:
+    """`Strategy.describe`: rows of every variable's placement."""
+    import numpy as np
+
+    optimizer = getattr(model, "optimizer", None)
+    groups = {
+        "model": list(model.variables),
+        "optimizer": list(optimizer.variables) if optimizer else [],
+        "metrics": list(getattr(model, "metrics_variables", [])),
+    }
+    rows = []
+    for group, variables in groups.items():
+        for variable in variables:
+            layout, local_shape = engine.placement(variable)
+            itemsize = np.dtype(variable.dtype).itemsize
+            rows.append(
+                {
+                    "path": variable.path,
+                    "group": group,
+                    "shape": tuple(variable.shape),
+                    "dtype": str(variable.dtype),
+                    "layout": tuple(layout),
+                    "bytes_per_device": int(np.prod(local_shape)) * itemsize,
+                }
+            )
+    if print_fn is not None:
+        width = max([len(r["path"]) for r in rows] + [4])
+        lines = [
+            f"{'path':<{width}}  {'shape':<16} {'layout':<24} bytes/device"
+        ]
+        for r in rows:
+            lines.append(
+                f"{r['path']:<{width}}  {str(r['shape']):<16} "
+                f"{str(r['layout']):<24} {r['bytes_per_device']}"
+            )
+        total = sum(r["bytes_per_device"] for r in rows)
+        lines.append(f"total bytes per device: {total}")
+        print_fn("\n".join(lines))
+    return rows
 
 
 def get_strategy() -> Strategy:

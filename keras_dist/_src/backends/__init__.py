@@ -37,3 +37,22 @@ def get():
             )
         _loaded = importlib.import_module(_MODULES[backend])
     return _loaded
+
+
+def dispatch(engines: dict, plan, runtime, input_options):
+    """Builds the engine a backend registers for `plan`'s type.
+
+    `engines` maps plan types to factories ``(plan, runtime,
+    input_options) -> Engine``; a plan type's nearest registered base
+    applies.
+
+    Raises:
+        UnsupportedBackendError: when the backend has no engine for it.
+    """
+    for cls in type(plan).__mro__:
+        if cls in engines:
+            return engines[cls](plan, runtime, input_options)
+    raise UnsupportedBackendError(
+        f"The {name()} backend has no engine for {type(plan).__name__}. "
+        f"It runs: {sorted(c.__name__ for c in engines)}."
+    )

@@ -4,7 +4,8 @@ A backend is a package (``keras_dist._src.backends.<name>``) with the same
 inner modules as every other (`INNER_MODULES`) and the free functions of
 `BackendModule`. Its `create_runtime` returns a `Runtime` (cluster
 membership and host-value collectives, `keras_dist._src.runtime`) and its
-`create_engine` the replicator of one strategy kind, an `Engine`.
+`create_engine` the engine of a strategy's plan, an `Engine` (a registry
+`ENGINES` maps plan types to each backend's policies).
 `tests/test_contract.py` checks every backend against all of it (same
 signatures), and `tests/test_runtime.py` checks the runtimes' behaviour.
 """
@@ -15,6 +16,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from keras_dist._src.plan import TOPOLOGIES
 from keras_dist._src.runtime import Runtime
 
 
@@ -57,6 +59,11 @@ class Engine(Protocol):
     def local_results(self, value) -> tuple:
         """Returns the per-replica parts of `value`."""
 
+    def placement(self, variable) -> tuple[tuple, tuple]:
+        """The layout of `variable` over the mesh (one entry per dimension:
+        None, an axis name or a tuple of names) and the shape of the
+        shard one device holds."""
+
 
 class BackendModule(Protocol):
     """Free functions of a backend module (``keras_dist._src.backends.<b>``)."""
@@ -78,24 +85,26 @@ class BackendModule(Protocol):
     def create_runtime(
         self, kind: str, devices: Sequence[str], environment
     ) -> Runtime:
-        """This process's `Runtime` for a `kind` strategy (may join the job:
-        e.g. `jax.distributed.initialize`, a torch process group)."""
+        """This process's `Runtime` for a strategy of topology `kind`
+        (`plan.TOPOLOGIES`; may join the job: e.g.
+        `jax.distributed.initialize`, a torch process group)."""
 
-    def create_engine(
-        self,
-        kind: str,
-        devices: Sequence[str],
-        runtime: Runtime,
-        sync_batch_norm: bool,
-        input_options,
-    ) -> Engine:
-        """Returns the replicator of a `kind` strategy on `devices`."""
+    def create_engine(self, plan, runtime: Runtime, input_options) -> Engine:
+        """Returns this process's engine for `plan` (a `plan.Plan`), chosen
+        by the plan's type from the backend's `ENGINES` registry."""
 
 
-#: Strategy kinds a backend's `create_runtime`/`create_engine` accept.
-KINDS = ("one_device", "mirrored", "multi_worker")
+#: Topologies a backend's `create_runtime` accepts.
+KINDS = TOPOLOGIES
 #: Inner modules every backend package has (the same layout everywhere).
-INNER_MODULES = ("devices", "runtime", "data_parallel", "inputs", "batch_norm")
+INNER_MODULES = (
+    "devices",
+    "runtime",
+    "data_parallel",
+    "sharded",
+    "inputs",
+    "batch_norm",
+)
 
 CONTRACT_FUNCTIONS = (
     "list_devices",
@@ -115,4 +124,5 @@ ENGINE_METHODS = (
     "gather",
     "distribute_dataset",
     "local_results",
+    "placement",
 )

@@ -4,6 +4,10 @@ aliases."""
 from __future__ import annotations
 
 from keras_dist._src.strategies.mirrored import MirroredStrategy
+from keras_dist._src.strategies.model_parallel import (
+    ModelParallel,
+    ShardedDataParallel,
+)
 from keras_dist._src.strategies.multi_worker import (
     MultiWorkerMirroredStrategy,
 )
@@ -14,6 +18,8 @@ _REGISTRY = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
+    "model_parallel": ModelParallel,
+    "sharded_data_parallel": ShardedDataParallel,
 }
 _ALIASES = {
     "single_device": "one_device",
@@ -23,6 +29,10 @@ _ALIASES = {
     "dp": "mirrored",
     "multi_worker": "multi_worker_mirrored",
     "multiworker": "multi_worker_mirrored",
+    "mp": "model_parallel",
+    "fsdp": "sharded_data_parallel",
+    "zero3": "sharded_data_parallel",
+    "sharded": "sharded_data_parallel",
 }
 
 

@@ -25,7 +25,7 @@ class MirroredStrategy(Strategy):
             workers (matters where there are several processes).
     """
 
-    kind = "mirrored"
+    topology = "mirrored"
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             contradict each other.
     """
 
-    kind = "multi_worker"
+    topology = "multi_worker"
 
     def __init__(
         self,
@@ -44,7 +44,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         sync_batch_norm: bool = True,
         input_options: InputOptions | None = None,
     ):
-        environment = _environment_from(cluster_resolver)
+        environment = environment_from(cluster_resolver)
         # None: the backend's default devices, listed once this process has
         # joined the job (on torch, where a process drives one device, the
         # backend picks this process's by its local rank).
@@ -62,7 +62,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
 
 
-def _environment_from(resolver) -> ClusterEnvironment:
+def environment_from(resolver) -> ClusterEnvironment:
+    """A `ClusterEnvironment` from ours or a tf.distribute resolver."""
     if resolver is None:
         return detect_environment()
     if isinstance(resolver, ClusterEnvironment):

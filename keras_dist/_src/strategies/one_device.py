@@ -14,7 +14,7 @@ class OneDeviceStrategy(Strategy):
             accelerator, or ``"cpu:0"``.
     """
 
-    kind = "one_device"
+    topology = "one_device"
 
     def __init__(self, device: str | None = None):
         if device is None:

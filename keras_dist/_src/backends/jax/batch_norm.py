@@ -15,11 +15,11 @@ import jax
 from keras_dist._src.backends.jax.devices import BATCH_AXIS
 
 
-def average_moving_statistics(non_trainable):
+def average_moving_statistics(non_trainable, axis=BATCH_AXIS):
     """Per-replica step: floating non-trainable variables (the moving mean
     and variance) become their mean over replicas; others pass through."""
     return [
-        jax.lax.pmean(v, BATCH_AXIS)
+        jax.lax.pmean(v, axis)
         if jax.numpy.issubdtype(v.dtype, jax.numpy.floating)
         else v
         for v in non_trainable

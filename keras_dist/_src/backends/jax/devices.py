@@ -13,6 +13,9 @@ from keras_dist._src.errors import (
 # keras_dist's own mesh axis name: tells its variables from those of a
 # `keras.distribution` layout (whose meshes compare equal to ours otherwise).
 BATCH_AXIS = "keras_dist_replica"
+#: Meshes built by keras_dist engines (tells their variables from those of
+#: a user's own `keras.distribution`, whose meshes may use any names).
+OWN_MESHES: set = set()
 
 
 def devices_by_name() -> dict:
@@ -81,6 +84,8 @@ def variables_distributed(model) -> bool:
     """Whether a variable of `model` is laid out on a keras_dist mesh."""
     for variable in model.variables:
         mesh = getattr(getattr(variable.value, "sharding", None), "mesh", None)
-        if BATCH_AXIS in getattr(mesh, "axis_names", ()):
+        if mesh is not None and (
+            mesh in OWN_MESHES or BATCH_AXIS in mesh.axis_names
+        ):
             return True
     return False

@@ -1,10 +1,13 @@
 """The TensorFlow backend of keras_dist (see `data_parallel`).
 
 Same inner files as every backend: `devices`, `runtime`, `data_parallel`,
-`inputs`, `batch_norm`; this module re-exports the contract's functions.
+`inputs`, `batch_norm`, `sharded`; this module re-exports the contract's
+functions and holds `ENGINES`, the registry of plan type -> engine.
 """
 
-from keras_dist._src.backends.tensorflow.data_parallel import create_engine
+from keras_dist._src import plan as _plan
+from keras_dist._src.backends import dispatch as _dispatch
+from keras_dist._src.backends.tensorflow import data_parallel, sharded
 from keras_dist._src.backends.tensorflow.devices import (
     default_devices,
     list_devices,
@@ -12,6 +15,19 @@ from keras_dist._src.backends.tensorflow.devices import (
     variables_distributed,
 )
 from keras_dist._src.backends.tensorflow.runtime import create_runtime
+
+#: Which engine runs each plan type (a strategy's plan -> its policy).
+ENGINES = {
+    _plan.ReplicatedPlan: data_parallel.create_engine,
+    _plan.LayoutPlan: sharded.create_engine,
+    _plan.ShardedPlan: sharded.create_engine,
+}
+
+
+def create_engine(plan, runtime, input_options):
+    """This process's engine for `plan` (chosen by the plan's type)."""
+    return _dispatch(ENGINES, plan, runtime, input_options)
+
 
 NAME = "tensorflow"
 

@@ -61,6 +61,11 @@ class _EngineBase:
     def local_results(self, value):
         return tuple(self.tf_strategy.experimental_local_results(value))
 
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
     def prepare_call(self, name, method, args, kwargs):
         return args, kwargs
 
@@ -429,13 +434,14 @@ def _new_mirrored_strategy(tf_devices):
     return cls(devices=tf_devices)
 
 
-def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
-    """Returns the replicator of a `kind` strategy over `devices`.
+def create_engine(plan, runtime, input_options):
+    """The engine of a `ReplicatedPlan` on this process's devices.
 
     One device needs no tf.distribute (Keras's own step, placed on it).
     """
-    devices = [normalize_device(d) for d in devices]
-    if kind == "multi_worker" and runtime.world_size > 1:
+    devices = [normalize_device(d) for d in plan.devices]
+    sync_batch_norm = plan.sync_batch_norm
+    if plan.topology == "multi_worker" and runtime.world_size > 1:
         from keras_dist._src.backends.tensorflow.multi_worker import (
             MultiWorkerEngine,
         )
@@ -443,11 +449,9 @@ def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
         return MultiWorkerEngine(
             devices, sync_batch_norm, runtime, input_options or InputOptions()
         )
-    del kind, runtime
     if len(devices) == 1:
         return OneDeviceEngine(devices[0])
     # One worker (this process): every shard policy reads the whole input.
-    del input_options
     return MirroredEngine(devices, sync_batch_norm)
 
 

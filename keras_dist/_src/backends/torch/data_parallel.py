@@ -896,6 +896,11 @@ class OneDeviceEngine:
     def local_results(self, value):
         return local_results(value)
 
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
     def distribute_dataset(self, dataset):
         return distribute_dataset(dataset, 0, 1)
 
@@ -1080,6 +1085,11 @@ class MirroredEngine:
     def local_results(self, value):
         return local_results(value)
 
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
     def distribute_dataset(self, dataset):
         return distribute_dataset(dataset, self.rank, self.world_size)
 
@@ -1100,18 +1110,17 @@ def all_gather_concat(x, axis, group, world_size):
     return torch.movedim(out, 0, axis)
 
 
-def create_engine(kind, devices, runtime, sync_batch_norm: bool, input_options):
-    """Returns this process's replicator for a `kind` strategy.
+def create_engine(plan, runtime, input_options):
+    """This process's engine for a `ReplicatedPlan`.
 
     A one-process runtime (a one-device strategy, or one device outside a
     launched job) gets Keras's own step; otherwise this process is one rank
     of a torch.distributed job with one process per device.
     """
-    del kind
-    devices = [normalize_device(d) for d in devices]
+    devices = [normalize_device(d) for d in plan.devices]
     if not isinstance(runtime, TorchRuntime):
         return OneDeviceEngine(devices[0])
-    engine = MirroredEngine(devices, sync_batch_norm, runtime)
+    engine = MirroredEngine(devices, plan.sync_batch_norm, runtime)
     engine.input_options = input_options or InputOptions()
     return engine
 

@@ -1,0 +1,150 @@
+"""JAX layouts over a mesh: the policy of `ModelParallel` and
+`ShardedDataParallel`.
+
+Each variable gets the `NamedSharding` its plan gives it (a `LayoutMap`
+entry, or ZeRO-3's split along the batch axis); optimizer slots follow
+their variable (Keras creates them with the variable's layout); metrics
+are replicated. The one JAX engine (`engine.SPMDEngine`) jits Keras's own
+steps with those shardings, so XLA's SPMD partitioner inserts the
+all-gathers, reduce-scatters and all-reduces: no collective is written
+here. Batches are split along the plan's batch axis (replicated over the
+other axes), or replicated when the axis does not divide them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from keras import distribution as keras_distribution
+
+from keras_dist._src import plan as plan_lib
+from keras_dist._src.backends.jax.devices import devices_by_name
+from keras_dist._src.backends.jax.engine import SPMDEngine
+from keras_dist._src.errors import LayoutError, VariablesOutsideScopeError
+
+
+class _PlanDistribution(keras_distribution.ModelParallel):
+    """A Keras distribution that lays out variables by a keras_dist plan
+    and checks each layout before Keras places the variable (Keras exports
+    no `Distribution` base; its `ModelParallel` is the nearest)."""
+
+    def __init__(self, device_mesh, plan):
+        super().__init__(
+            layout_map=keras_distribution.LayoutMap(device_mesh),
+            batch_dim_name=plan.batch_axis,
+            auto_shard_dataset=False,
+        )
+        self._plan = plan
+
+    def get_data_layout(self, data_shape):
+        return keras_distribution.TensorLayout(
+            self._plan.data_layout(len(data_shape)), self.device_mesh
+        )
+
+    def get_variable_layout(self, variable):
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout  # given by Keras (optimizer slots)
+        shape = tuple(variable.shape)
+        layout = self._plan.variable_layout(variable.path, shape)
+        layout = plan_lib.check_variable_layout(
+            self._plan, variable.path, shape, layout
+        )
+        return keras_distribution.TensorLayout(layout, self.device_mesh)
+
+    def get_tensor_layout(self, path):
+        del path
+        return None
+
+    def distribute_dataset(self, dataset):
+        return dataset
+
+
+class LayoutPolicy:
+    """Variables laid out by the plan over its mesh."""
+
+    def __init__(self, plan):
+        if not plan.sync_batch_norm:
+            raise LayoutError(
+                "sync_batch_norm=False is not available with layouts over a "
+                "mesh on JAX (the step computes on the global batch). Use "
+                "MirroredStrategy(sync_batch_norm=False) for per-replica "
+                "BatchNormalization statistics."
+            )
+        if plan.mesh is None:  # 1-D over every device of the job
+            plan = dataclasses.replace(
+                plan,
+                mesh=plan_lib.DeviceMesh(
+                    (len(jax.devices()),), (plan.batch_axis,)
+                ),
+            )
+        self.plan = plan
+        self.batch_axis = plan.batch_axis
+        mesh = plan.mesh
+        by_name = devices_by_name()
+        names = mesh.devices or tuple(
+            f"{d.platform}:{d.id}" for d in jax.devices()
+        )
+        if len(names) != mesh.size:
+            raise LayoutError(
+                f"The mesh {mesh.shape} {mesh.axis_names} needs {mesh.size} "
+                f"devices, but the job has {len(names)}. Give a mesh shape "
+                f"whose product is {len(names)}, or pass devices=[...]."
+            )
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise LayoutError(
+                f"The mesh names devices this job does not have: {missing}. "
+                f"Devices here: {sorted(by_name)}."
+            )
+        self.devices = tuple(names)
+        self.mesh = Mesh(
+            np.array([by_name[n] for n in names]).reshape(mesh.shape),
+            mesh.axis_names,
+        )
+        device_mesh = keras_distribution.DeviceMesh(
+            shape=mesh.shape,
+            axis_names=list(mesh.axis_names),
+            devices=list(names),
+        )
+        self.distribution = _PlanDistribution(device_mesh, plan)
+        self._checked = set()
+
+    def check_variables(self, model) -> None:
+        """Every variable lies on the mesh with its plan's layout; every
+        LayoutMap key matches a variable."""
+        for variable in model.variables:
+            sharding = getattr(variable.value, "sharding", None)
+            if getattr(sharding, "mesh", None) != self.mesh:
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} is "
+                    f"not laid out on the strategy's mesh: it was created "
+                    "outside strategy.scope(). Build (and load weights into) "
+                    "the model inside `with strategy.scope():`."
+                )
+        if getattr(model, "built", False) and model.variables:
+            self.check_built(model)
+
+    def check_built(self, model) -> None:
+        """Once the model has its variables: every LayoutMap key must match
+        one of them (a key that matches nothing shards nothing)."""
+        if id(model) in self._checked:
+            return
+        paths = [v.path for v in model.variables]
+        plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
+        self._checked.add(id(model))
+
+
+class ShardedEngine(SPMDEngine):
+    """The SPMD engine with variables laid out over a mesh."""
+
+    def __init__(self, plan, runtime, input_options=None):
+        policy = LayoutPolicy(plan)
+        super().__init__(policy, policy.plan, runtime, input_options)
+
+
+def create_engine(plan, runtime, input_options):
+    """The engine of a `LayoutPlan` or a `ShardedPlan`."""
+    return ShardedEngine(plan, runtime, input_options)

@@ -1,0 +1,415 @@
+"""Plans: what a strategy asks of a backend, as data.
+
+A strategy builds one *plan*: the device mesh, the batch axis that carries
+the data, and the layout of every variable. Each backend chooses its engine
+from the plan's type (a registry in ``backends/<b>/__init__.py``), so adding
+a strategy means a plan here, a strategy file, and one policy per backend.
+Names follow `keras.distribution` (`DeviceMesh`, `LayoutMap`, axis-name
+tuples), and `keras.distribution` objects are accepted as they are.
+
+A layout is a tuple with one entry per dimension of the tensor: None (that
+dimension is whole on every device), an axis name of the mesh (split over
+that axis), or a tuple of axis names (split over their product).
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import math
+import re
+from collections.abc import Sequence
+
+from keras_dist._src.errors import LayoutError
+
+#: How a strategy finds its processes (read by each backend's
+#: `create_runtime`): one process on one device, one host (torch starts a
+#: process per device), or a job of workers found from the launcher.
+TOPOLOGIES = ("one_device", "mirrored", "multi_worker")
+
+
+class DeviceMesh:
+    """Devices arranged in a grid with named axes (Keras's `DeviceMesh`).
+
+    Args:
+        shape: the size of each axis, e.g. ``(2, 2)``.
+        axis_names: one name per axis, e.g. ``("batch", "model")``.
+        devices: device names (``"cpu:0"``, ...) filling the grid in order;
+            None for every device of every process of the job.
+
+    Raises:
+        LayoutError: for an empty, mis-sized or repeated axis.
+    """
+
+    def __init__(self, shape, axis_names, devices=None):
+        shape = tuple(int(s) for s in shape)
+        axis_names = tuple(str(a) for a in axis_names)
+        if not shape or len(shape) != len(axis_names):
+            raise LayoutError(
+                f"A DeviceMesh needs one name per axis: got shape {shape} and "
+                f"axis_names {axis_names}."
+            )
+        if any(s < 1 for s in shape):
+            raise LayoutError(f"Mesh axis sizes must be >= 1; got {shape}.")
+        repeated = {a for a in axis_names if axis_names.count(a) > 1}
+        if repeated:
+            raise LayoutError(
+                f"Mesh axis names must be distinct; {sorted(repeated)} "
+                f"appears more than once in {axis_names}."
+            )
+        if devices is not None:
+            devices = tuple(_device_name(d) for d in _flat(devices))
+            if len(devices) != math.prod(shape):
+                raise LayoutError(
+                    f"A mesh of shape {shape} needs {math.prod(shape)} "
+                    f"devices; got {len(devices)}: {list(devices)}."
+                )
+        self.shape = shape
+        self.axis_names = axis_names
+        self.devices = devices
+
+    @classmethod
+    def from_any(cls, mesh) -> DeviceMesh:
+        """A `DeviceMesh` from ours or from `keras.distribution`'s."""
+        if isinstance(mesh, DeviceMesh):
+            return mesh
+        if hasattr(mesh, "axis_names") and hasattr(mesh, "shape"):
+            devices = getattr(mesh, "devices", None)
+            return cls(mesh.shape, mesh.axis_names, devices)
+        raise TypeError(
+            "Expected a keras_dist.DeviceMesh or keras.distribution."
+            f"DeviceMesh; got {type(mesh).__name__}."
+        )
+
+    @property
+    def size(self) -> int:
+        """Number of devices in the mesh."""
+        return math.prod(self.shape)
+
+    def axis_size(self, name: str) -> int:
+        """The size of axis `name`."""
+        return self.shape[self.axis_names.index(name)]
+
+    def with_devices(self, devices: Sequence[str]) -> DeviceMesh:
+        """This mesh filled with `devices` (when it named none)."""
+        if self.devices is not None:
+            return self
+        return DeviceMesh(self.shape, self.axis_names, devices)
+
+    def __eq__(self, other):
+        return isinstance(other, DeviceMesh) and (
+            self.shape,
+            self.axis_names,
+            self.devices,
+        ) == (other.shape, other.axis_names, other.devices)
+
+    def __hash__(self):
+        return hash((self.shape, self.axis_names, self.devices))
+
+    def __repr__(self):
+        return (
+            f"DeviceMesh(shape={self.shape}, axis_names={self.axis_names}"
+            + (f", devices={list(self.devices)}" if self.devices else "")
+            + ")"
+        )
+
+
+def _flat(devices):
+    if hasattr(devices, "flatten"):  # a NumPy array (Keras's meshes)
+        devices = devices.flatten().tolist()
+    return list(devices)
+
+
+def _device_name(device) -> str:
+    if isinstance(device, str):
+        from keras_dist._src.devices import normalize_device
+
+        return normalize_device(device)
+    # A backend device object (jax.Device): "platform:id".
+    platform = getattr(device, "platform", None)
+    if platform is not None:
+        return f"{platform}:{device.id}"
+    raise LayoutError(f"Cannot read a device name from {device!r}.")
+
+
+def normalize_layout(layout, mesh: DeviceMesh, where: str) -> tuple:
+    """Checks a layout against `mesh`; returns it as a tuple.
+
+    Accepts a tuple/list of axis names and None, a
+    `keras.distribution.TensorLayout`, or None (replicated, any rank).
+
+    Raises:
+        LayoutError: for an unknown axis or an axis used twice.
+    """
+    if layout is None:
+        return None
+    if hasattr(layout, "axes") and not isinstance(layout, (tuple, list)):
+        layout = layout.axes
+    if isinstance(layout, str) or not isinstance(layout, (tuple, list)):
+        raise LayoutError(
+            f"The layout of {where} must be a tuple with one entry per "
+            f"dimension (an axis name, a tuple of names, or None), e.g. "
+            f"(None, 'model'); got {layout!r}."
+        )
+    used = []
+    out = []
+    for entry in layout:
+        names = (entry,) if isinstance(entry, str) else entry
+        if entry is not None and not (
+            isinstance(names, (tuple, list))
+            and all(isinstance(n, str) for n in names)
+        ):
+            raise LayoutError(
+                f"The layout {tuple(layout)!r} of {where} has the entry "
+                f"{entry!r}: use an axis name, a tuple of names, or None."
+            )
+        for name in names or ():
+            if name not in mesh.axis_names:
+                raise LayoutError(
+                    f"The layout {tuple(layout)!r} of {where} names the axis "
+                    f"{name!r}, which the mesh does not have (its axes: "
+                    f"{mesh.axis_names})."
+                )
+            if name in used:
+                raise LayoutError(
+                    f"The layout {tuple(layout)!r} of {where} uses the axis "
+                    f"{name!r} twice; each mesh axis can split one "
+                    "dimension only."
+                )
+            used.append(name)
+        out.append(tuple(names) if isinstance(entry, (tuple, list)) else entry)
+    return tuple(out)
+
+
+class LayoutMap(collections.abc.MutableMapping):
+    """Maps variable paths (regular expressions) to layouts over a mesh.
+
+    Keras's semantics: a path matches a key exactly, or else by
+    `re.fullmatch`; a path that matches several keys is an error, one that
+    matches none is replicated. Unlike Keras, a key that matches no variable
+    of the model is an error when the model is attached (a typo would
+    otherwise silently replicate everything); pass
+    ``allow_unmatched=True`` to allow it.
+
+    Args:
+        device_mesh: a `DeviceMesh` (ours or `keras.distribution`'s).
+        allow_unmatched: accept keys that match no variable.
+    """
+
+    def __init__(self, device_mesh, allow_unmatched: bool = False):
+        self.device_mesh = DeviceMesh.from_any(device_mesh)
+        self.allow_unmatched = bool(allow_unmatched)
+        self._layouts = {}
+
+    @classmethod
+    def from_any(cls, layout_map) -> LayoutMap:
+        """A `LayoutMap` from ours or from `keras.distribution`'s."""
+        if isinstance(layout_map, LayoutMap):
+            return layout_map
+        if hasattr(layout_map, "device_mesh") and isinstance(
+            layout_map, collections.abc.Mapping
+        ):
+            out = cls(layout_map.device_mesh)
+            for key in layout_map:
+                out[key] = layout_map[key]
+            return out
+        raise TypeError(
+            "Expected a keras_dist.LayoutMap or keras.distribution.LayoutMap; "
+            f"got {type(layout_map).__name__}."
+        )
+
+    def __setitem__(self, key, layout):
+        if not isinstance(key, str):
+            raise LayoutError(f"LayoutMap keys are strings; got {key!r}.")
+        try:
+            re.compile(key)
+        except re.error as error:
+            raise LayoutError(
+                f"LayoutMap key {key!r} is not a valid regular expression: "
+                f"{error}."
+            ) from None
+        if key in self._layouts:
+            raise LayoutError(f"LayoutMap key {key!r} is set already.")
+        self._layouts[key] = normalize_layout(
+            layout, self.device_mesh, f"key {key!r}"
+        )
+
+    def __getitem__(self, path):
+        key = self.key_for(path)
+        return None if key is None else self._layouts[key]
+
+    def key_for(self, path: str) -> str | None:
+        """The key whose layout applies to `path`, or None.
+
+        Raises:
+            LayoutError: when `path` matches several keys.
+        """
+        if path in self._layouts:
+            return path
+        keys = [k for k in self._layouts if re.fullmatch(k, path)]
+        if len(keys) > 1:
+            raise LayoutError(
+                f"Variable path {path!r} matches several LayoutMap keys: "
+                f"{keys}. Make the keys specific enough that each path "
+                "matches at most one."
+            )
+        return keys[0] if keys else None
+
+    def __delitem__(self, key):
+        del self._layouts[key]
+
+    def __iter__(self):
+        return iter(self._layouts)
+
+    def __len__(self):
+        return len(self._layouts)
+
+    def __repr__(self):
+        return f"LayoutMap({self.device_mesh!r}, {dict(self._layouts)!r})"
+
+
+# -- plans ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a strategy asks of a backend (the base of every plan type).
+
+    Attributes:
+        topology: how processes are found (`TOPOLOGIES`).
+        devices: this process's devices (one device on torch).
+        mesh: the mesh over every device of every process, or None where
+            the backend builds its own data-parallel one.
+        batch_axis: the mesh axis that splits each global batch.
+        sync_batch_norm: BatchNormalization over the global batch.
+    """
+
+    topology: str
+    devices: tuple
+    mesh: DeviceMesh | None = None
+    batch_axis: str | None = None
+    sync_batch_norm: bool = True
+
+    def variable_layout(self, path: str, shape: tuple) -> tuple | None:
+        """The layout of the variable at `path` (None: replicated)."""
+        del path, shape
+        return None
+
+    def data_layout(self, rank: int) -> tuple:
+        """The layout of a batch array of `rank` dimensions."""
+        if rank == 0 or self.batch_axis is None:
+            return (None,) * rank
+        return (self.batch_axis,) + (None,) * (rank - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedPlan(Plan):
+    """Every variable mirrored on every device; batches split (Mirrored,
+    MultiWorkerMirrored, OneDevice)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan(Plan):
+    """Variables laid out over a mesh by a `LayoutMap` (ModelParallel)."""
+
+    layout_map: LayoutMap | None = None
+
+    def variable_layout(self, path, shape):
+        return self.layout_map[path]
+
+    def unmatched_keys(self, paths: Sequence[str]) -> list[str]:
+        """Keys of the layout map that match none of `paths`."""
+        hit = {self.layout_map.key_for(p) for p in paths}
+        return [k for k in self.layout_map if k not in hit]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlan(Plan):
+    """ZeRO-3/FSDP style: each variable of at least `min_size` elements is
+    split over the batch axis along its largest dimension that the axis
+    divides; smaller ones are replicated (ShardedDataParallel)."""
+
+    min_size: int = 1024
+
+    def variable_layout(self, path, shape):
+        del path
+        n = self.mesh.axis_size(self.batch_axis)
+        if n == 1 or math.prod(shape) < self.min_size:
+            return None
+        divisible = [d for d, size in enumerate(shape) if size % n == 0]
+        if not divisible:
+            return None
+        dim = max(divisible, key=lambda d: (shape[d], -d))
+        layout = [None] * len(shape)
+        layout[dim] = self.batch_axis
+        return tuple(layout)
+
+
+# -- checks and descriptions shared by every backend ---------------------------
+def axis_product(mesh: DeviceMesh, entry) -> int:
+    """How many parts a layout entry splits its dimension into."""
+    if entry is None:
+        return 1
+    names = (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.axis_size(n) for n in names)
+
+
+def check_variable_layout(plan: Plan, path: str, shape, layout) -> tuple:
+    """The full-rank layout of a variable; errors name what cannot hold.
+
+    Raises:
+        LayoutError: for a layout of the wrong rank, or a dimension that
+            its axes do not divide.
+    """
+    shape = tuple(int(s) for s in shape)
+    if layout is None:
+        return (None,) * len(shape)
+    layout = normalize_layout(layout, plan.mesh, f"variable {path!r}")
+    if len(layout) != len(shape):
+        raise LayoutError(
+            f"The layout {layout} for variable {path!r} has {len(layout)} "
+            f"entries, but the variable has shape {shape} ({len(shape)} "
+            "dimensions). Give one entry per dimension."
+        )
+    for dim, (size, entry) in enumerate(zip(shape, layout)):
+        parts = axis_product(plan.mesh, entry)
+        if size % parts:
+            raise LayoutError(
+                f"Variable {path!r} of shape {shape} cannot be split along "
+                f"dimension {dim} (size {size}) over axis {entry!r} of "
+                f"{parts} devices: {size} is not divisible by {parts}. Change "
+                "the layout, the mesh shape, or the layer's size."
+            )
+    return layout
+
+
+def check_unmatched(plan: Plan, paths: Sequence[str], what: str) -> None:
+    """Raises when a LayoutMap key matches none of `paths`.
+
+    Raises:
+        LayoutError: naming each such key and the nearest paths.
+    """
+    if not isinstance(plan, LayoutPlan) or plan.layout_map.allow_unmatched:
+        return
+    unmatched = plan.unmatched_keys(paths)
+    if not unmatched:
+        return
+    lines = []
+    for key in unmatched:
+        near = difflib.get_close_matches(key, paths, n=3, cutoff=0.0)
+        lines.append(f"  {key!r} (nearest paths: {near})")
+    raise LayoutError(
+        f"These LayoutMap keys match no variable of {what}, so they would "
+        "shard nothing:\n" + "\n".join(lines) + "\nKeys are regular "
+        "expressions matched against the whole `variable.path` (print "
+        "`[v.path for v in model.variables]`). Fix the keys, or pass "
+        "`LayoutMap(mesh, allow_unmatched=True)` to allow keys that match "
+        "nothing."
+    )
+
+
+def bytes_per_device(plan: Plan, shape, layout, itemsize: int) -> int:
+    """Bytes of one device's shard of a variable laid out by `layout`."""
+    parts = 1
+    for entry in layout or ():
+        parts *= axis_product(plan.mesh, entry) if plan.mesh else 1
+    return math.prod(shape) * itemsize // parts
