@@ -2,7 +2,8 @@
 
 ``keras-dist doctor`` reports the Keras backend, the versions that matter,
 the devices, the cluster environment the launcher variables describe, what
-``keras_dist.MirroredStrategy()`` would use, and whether a small all-reduce
+``keras_dist.MirroredStrategy()`` would use, what the job would listen on
+(and on which interface), and whether a small all-reduce
 over those devices works (and how long it took). It exits with status 1 and
 says why when something is wrong. It never starts training processes: on
 torch, where ``MirroredStrategy()`` starts one process per device, it only
@@ -93,6 +94,18 @@ def _cluster() -> dict:
         environment = repr(environment)
     report["environment"] = environment
     return report
+
+
+def _listens(backend: str, processes: int) -> list[str] | None:
+    """What a job started here would listen on, and where (None when the
+    cluster environment cannot be read: reported elsewhere)."""
+    try:
+        from keras_dist._src.cluster import binding, detect_environment
+
+        environment = detect_environment()
+        return binding.endpoints(backend, environment, processes)
+    except Exception:  # noqa: BLE001 - the cluster row says why
+        return None
 
 
 # -- all-reduce checks, one a backend ------------------------------------------
@@ -231,6 +244,7 @@ def collect(cpu_devices: int = 0) -> dict:
         "devices": None,
         "mirrored_strategy": None,
         "cluster": None,
+        "listens": None,
         "all_reduce": None,
         "problems": problems,
     }
@@ -297,6 +311,7 @@ def collect(cpu_devices: int = 0) -> dict:
         }
         problems.append(f"cluster environment: {error}")
     environment = report["cluster"].get("environment") or {}
+    report["listens"] = _listens(backend, len(devices))
     if backend == "torch" and environment.get("world_size", 1) > 1:
         mirrored["note"] = (
             f"joins the {environment['source']} job as rank "
@@ -385,6 +400,12 @@ def _format(report: dict) -> str:
             "launcher variables",
             " ".join(f"{k}={v}" for k, v in variables.items()) or "none set",
         )
+    listens = report.get("listens")
+    if listens is not None:
+        for i, line in enumerate(listens or ["nothing (one process)"]):
+            row("listens" if i == 0 else "", line)
+        if any("0.0.0.0" in line for line in listens):
+            row("", "keep the job on a private network or behind a firewall")
     result = report["all_reduce"]
     if result is not None:
         if result["ok"]:

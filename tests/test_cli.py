@@ -54,6 +54,7 @@ def test_doctor_json_without_simulated_devices():
         # One process, one device: JAX's and TF's default, torch's without
         # simulated devices (it would start no other process).
         assert report["mirrored_strategy"]["devices"] == ["cpu:0"]
+        assert report["listens"] == []  # one process: nothing listens
 
 
 @pytest.mark.slow  # a fresh process: 5-10 s
@@ -80,3 +81,24 @@ def test_doctor_exits_non_zero_with_the_reason():
         "RANK": "0",
     }
     assert any("WORLD_SIZE" in p for p in report["problems"])
+
+
+@pytest.mark.slow  # a fresh process: 5-10 s
+def test_doctor_says_what_a_local_job_listens_on():
+    out = _doctor(
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="localhost",
+        MASTER_PORT="29999",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    listens = out.stdout.split("listens", 1)[1].split("all-reduce")[0]
+    if BACKEND == "tensorflow":
+        # TensorFlow's servers: every interface, and the doctor says so.
+        assert "0.0.0.0" in listens
+        assert "no setting" in listens and "firewall" in listens
+    else:
+        assert "rank 0: " in listens
+        assert "on 127.0.0.1:29999" in listens  # localhost: loopback
+        assert "0.0.0.0" not in listens and "every interface" not in listens

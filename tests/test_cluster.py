@@ -240,3 +240,63 @@ def test_launch_arguments_and_bad_options():
         node_launcher.LaunchConfig(
             ["t.py"], nnodes=2, node_rank=3, master_port=1
         ).check()
+
+
+def _place(host, world=2, local_world=2, workers=()):
+    return envs.ClusterEnvironment(
+        source="explicit",
+        world_size=world,
+        local_world_size=local_world,
+        coordinator_host=host,
+        coordinator_port=29400,
+        worker_addresses=tuple(workers),
+    )
+
+
+def test_bind_loopback_for_one_host_jobs(monkeypatch):
+    from keras_dist._src.cluster import binding
+
+    monkeypatch.delenv(binding.ENV_BIND_ALL, raising=False)
+    assert binding.bind_host(_place("127.0.0.1")) == "127.0.0.1"
+    assert binding.bind_host(_place("localhost")) == "127.0.0.1"
+    assert binding.bind_host(_place("127.0.0.2")) == "127.0.0.2"
+    assert binding.bind_host(_place("::1")) == "::1"
+    tf_workers = ["127.0.0.1:2222", "127.0.0.1:2223"]
+    assert binding.bind_host(_place("127.0.0.1", workers=tf_workers)) == (
+        "127.0.0.1"
+    )
+    # Several hosts: the given address, never loopback.
+    assert binding.bind_host(_place("10.1.2.3", 4)) == "10.1.2.3"
+    mixed = ["10.1.2.3:2222", "127.0.0.1:2223"]
+    assert binding.bind_host(_place("127.0.0.1", workers=mixed)) == (
+        "127.0.0.1"
+    )
+    # A name that resolves to loopback here in a job over two hosts
+    # (Debian's 127.0.1.1 for the host name): every interface.
+    assert binding.bind_host(_place("127.0.1.1", 4, 2)) is None
+    assert binding.format_address(None, 5) == "[::]:5"
+    assert binding.format_address("::1", 5) == "[::1]:5"
+    assert binding.format_address("127.0.0.1", 5) == "127.0.0.1:5"
+
+
+def test_bind_all_interfaces_on_request(monkeypatch):
+    from keras_dist._src.cluster import binding
+
+    monkeypatch.setenv(binding.ENV_BIND_ALL, "1")
+    assert binding.bind_host(_place("127.0.0.1")) is None
+    monkeypatch.setenv(binding.ENV_BIND_ALL, "maybe")
+    with pytest.raises(ValueError, match="KERAS_DIST_BIND_ALL='maybe'"):
+        binding.bind_host(_place("127.0.0.1"))
+
+
+def test_listen_socket_on_a_foreign_address_says_what_to_do():
+    from keras_dist._src.cluster import binding
+    from keras_dist._src.errors import KerasDistError
+
+    sock = binding.listen_socket("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()
+    with pytest.raises(KerasDistError, match="KERAS_DIST_BIND_ALL=1"):
+        binding.listen_socket("192.0.2.250", 0)  # TEST-NET: not ours

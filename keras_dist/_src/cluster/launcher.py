@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 
+from keras_dist._src.cluster.supervision import ENV_PARENT_PIPE
+
 ENV_LAUNCHED = "KERAS_DIST_LAUNCHED"
 
 
@@ -36,8 +38,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def relaunch_command() -> list[str]:
     """Returns the command line that re-runs the current program.
 
-    Uses ``sys.orig_argv`` (so ``python -m pkg.module args`` and interpreter
-    flags are kept) with ``sys.executable`` as the interpreter.
+    Uses ``sys.orig_argv`` (so ``python -m pkg.module args``, ``python -c
+    CODE`` and interpreter flags are kept) with ``sys.executable`` as the
+    interpreter.
 
     Raises:
         RuntimeError: when the program cannot be re-run (an interactive
@@ -45,7 +48,14 @@ def relaunch_command() -> list[str]:
     """
     main = sys.modules.get("__main__")
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv)
-    interactive = hasattr(sys, "ps1") or not getattr(main, "__file__", None)
+    # ``python -c CODE`` re-runs as it was started (its code is in argv);
+    # a prompt, ``python -i`` or a program read from stdin cannot.
+    from_c = sys.argv[:1] == ["-c"] and "-c" in argv[1:]
+    interactive = (
+        hasattr(sys, "ps1")
+        or sys.flags.interactive
+        or not (getattr(main, "__file__", None) or from_c)
+    )
     script = os.path.basename(sys.argv[0] if sys.argv else "")
     under_pytest = script.startswith(("pytest", "py.test")) or (
         "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["pytest"]
@@ -58,23 +68,30 @@ def relaunch_command() -> list[str]:
             f"keras_dist would start one process per device by re-running "
             f"this program, but it runs in {where}, which cannot be "
             "re-run. Put the training code in a script and run it with "
-            "`python train.py` (keras_dist starts the other processes) or "
-            "`torchrun --nproc_per_node=N train.py`."
+            "`python train.py` or `python -c CODE` (keras_dist starts the "
+            "other processes), or start them with `keras-dist launch "
+            "--nproc-per-node N train.py` or `torchrun --nproc_per_node=N "
+            "train.py`."
         )
     return [sys.executable] + argv[1:]
 
 
 def child_env(
-    rank: int, world_size: int, port: int, extra: dict | None = None
+    rank: int,
+    world_size: int,
+    port: int,
+    extra: dict | None = None,
+    host: str = "127.0.0.1",
 ) -> dict:
-    """Returns the environment of the child process of `rank`."""
+    """Returns the environment of the child process of `rank` (the job's
+    rendezvous at `host`:`port`)."""
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=host,
         MASTER_PORT=str(port),
         **{ENV_LAUNCHED: str(os.getpid())},
     )
@@ -82,21 +99,79 @@ def child_env(
     return env
 
 
-def _set_parent_death_signal() -> None:
-    """Linux only: the child gets SIGKILL when its parent dies."""
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's ``prctl``, resolved in the parent (a forked child must not
+    import or load libraries), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort; the watchdog remains.
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
-def spawn(command: list[str], env: dict) -> subprocess.Popen:
-    """Starts one child process running `command` in `env`."""
-    preexec = _set_parent_death_signal if sys.platform == "linux" else None
-    return subprocess.Popen(command, env=env, preexec_fn=preexec)
+def _die_with_parent_preexec(prctl, parent: int):
+    """A ``preexec_fn`` that gives the child SIGKILL when `parent` dies.
+
+    ``PR_SET_PDEATHSIG`` is kept across ``execve``. When the parent died
+    between ``fork`` and ``prctl`` the signal never comes: the child then
+    sees another parent and exits at once.
+    """
+
+    def preexec():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def spawn(command: list[str], env: dict, **popen_kwargs) -> subprocess.Popen:
+    """Starts one worker process running `command` in `env`; it dies with
+    this process.
+
+    On Linux the child gets SIGKILL when this process dies, however it dies
+    (SIGKILL, the OOM killer, ``timeout -s KILL``): ``PR_SET_PDEATHSIG``,
+    set in the child before it runs `command`. Elsewhere the child inherits
+    the read end of a pipe (named by ``KERAS_DIST_PARENT_PIPE``) whose write
+    end only this process holds; keras_dist in the child ends the process
+    at the pipe's end of file (`supervision.watch_launcher`).
+
+    The parent-death signal belongs to the thread that starts the child:
+    start workers from a thread that lives as long as the job (the main
+    thread).
+
+    Args:
+        command: the program and its arguments.
+        env: the child's environment.
+        **popen_kwargs: passed on to `subprocess.Popen` (stdout, text, ...).
+    """
+    prctl = _prctl()
+    if prctl is not None:
+        return subprocess.Popen(
+            command,
+            env=env,
+            preexec_fn=_die_with_parent_preexec(prctl, os.getpid()),
+            **popen_kwargs,
+        )
+    read_end, write_end = os.pipe()  # neither is inherited unless passed
+    env = dict(env, **{ENV_PARENT_PIPE: str(read_end)})
+    try:
+        proc = subprocess.Popen(
+            command, env=env, pass_fds=(read_end,), **popen_kwargs
+        )
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    proc._keras_dist_parent_pipe = write_end  # open as long as we live
+    return proc
 
 
 def start_workers(world_size: int, port: int, extra_env=None) -> dict:
@@ -105,8 +180,10 @@ def start_workers(world_size: int, port: int, extra_env=None) -> dict:
     Returns:
         ``{rank: Popen}`` of the children.
     """
-    command = relaunch_command()
     children = {}
+    if world_size < 2:
+        return children  # nothing to start: no need to re-run the program
+    command = relaunch_command()
     try:
         for rank in range(1, world_size):
             env = child_env(rank, world_size, port, extra_env)

@@ -9,6 +9,8 @@ the first worker that fails stops the others: the launcher then exits with
 that worker's code. Workers that stop for preemption (exit code
 `PREEMPTION_EXIT_CODE`, after saving) are not failures: the launcher waits
 for the others and exits with that code, so a scheduler can requeue.
+Workers die with the launcher, also when it is killed with SIGKILL (the
+OOM killer, ``timeout -s KILL``): see `launcher.spawn`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 
-from keras_dist._src.cluster.launcher import ENV_LAUNCHED, free_port
+from keras_dist._src.cluster.launcher import ENV_LAUNCHED, free_port, spawn
 from keras_dist._src.cluster.supervision import (
     PREEMPTION_EXIT_CODE,
     describe_exit,
@@ -147,9 +149,9 @@ def launch(config: LaunchConfig) -> int:
     try:
         for env in worker_environments(config):
             rank = int(env["RANK"])
-            proc = subprocess.Popen(
+            proc = spawn(
                 command,
-                env=env,
+                env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -59,6 +59,42 @@ def liveness_timeout() -> int:
     return int(value.strip())
 
 
+#: Names the pipe a worker started by keras_dist watches where Linux's
+#: parent-death signal is not available (`launcher.spawn`).
+ENV_PARENT_PIPE = "KERAS_DIST_PARENT_PIPE"
+_launcher_watch: threading.Thread | None = None
+
+
+def watch_launcher() -> None:
+    """Ends this process when the launcher that started it dies.
+
+    Only for workers started where Linux's parent-death signal is missing:
+    `launcher.spawn` then passes the read end of a pipe whose write end
+    only the launcher holds (``KERAS_DIST_PARENT_PIPE``); the pipe's end of
+    file means the launcher is gone, however it died. A no-op elsewhere
+    and when called again.
+    """
+    global _launcher_watch
+    value = os.environ.get(ENV_PARENT_PIPE, "")
+    if _launcher_watch is not None or not value.isdigit():
+        return
+    fd = int(value)
+
+    def watch():
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        log("the launcher that started this worker died; stopping.")
+        os._exit(EXIT_CODE)
+
+    _launcher_watch = threading.Thread(
+        target=watch, name="keras_dist-launcher-watch", daemon=True
+    )
+    _launcher_watch.start()
+
+
 def log(message: str) -> None:
     """Writes `message` to stderr, prefixed with keras_dist, and flushes."""
     sys.stderr.write(f"keras_dist: {message}\n")

@@ -14,6 +14,7 @@ import inspect
 import jax
 import numpy as np
 
+from keras_dist._src.cluster import binding, supervision
 from keras_dist._src.cluster.environments import (
     ClusterEnvironment,
     detect_environment,
@@ -76,16 +77,30 @@ def _initialize(environment: ClusterEnvironment) -> None:
             "Create the strategy at the top of the program, right after "
             "`import keras_dist`."
         )
-    if jax.config.jax_platforms in (None, "", "cpu") or (
+    gloo = jax.config.jax_platforms in (None, "", "cpu") or (
         "cpu" in str(jax.config.jax_platforms)
-    ):
+    )
+    if gloo:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    host = binding.bind_host(environment)
     timeout = liveness_timeout()
     options = {
         "initialization_timeout": max(timeout, 300),
         "heartbeat_timeout_seconds": timeout,
+        # Where rank 0's coordination service listens (JAX's default is
+        # every interface, "[::]:port"): loopback for a one-host job.
+        "coordinator_bind_address": binding.format_address(
+            host, environment.coordinator_port
+        ),
     }
     accepted = inspect.signature(jax.distributed.initialize).parameters
+    if "coordinator_bind_address" not in accepted:
+        supervision.log(
+            "this JAX release's jax.distributed.initialize takes no "
+            "coordinator_bind_address: rank 0's coordination service "
+            "listens on every interface. Upgrade JAX to keep a one-host "
+            "job on loopback."
+        )
     jax.distributed.initialize(
         coordinator_address=environment.coordinator_address,
         num_processes=environment.world_size,
@@ -93,11 +108,45 @@ def _initialize(environment: ClusterEnvironment) -> None:
         # Older JAX releases lack some of these.
         **{k: v for k, v in options.items() if k in accepted},
     )
+    if gloo and host is not None and binding.is_loopback(host):
+        _gloo_on(host)
+
+
+def _gloo_on(host: str) -> None:
+    """Makes the CPU backend's gloo collectives listen on `host`.
+
+    JAX creates them for the address this host's name resolves to (a
+    network interface on most machines) and has no setting for it: the CPU
+    backend's factory is registered again with gloo bound to `host`, the
+    loopback address of a one-host job. Must run before the CPU backend
+    starts (right after ``jax.distributed.initialize``).
+    """
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    client = distributed.global_state.client
+
+    def make_cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=client, hostname=host
+        )
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    try:
+        xla_bridge.register_backend_factory(
+            "cpu", make_cpu_client, priority=0, fail_quietly=False
+        )
+    except (AttributeError, TypeError) as error:  # another JAX release
+        supervision.log(
+            f"cannot bind JAX's gloo collectives to {host} ({error}); they "
+            "listen on the address this host's name resolves to."
+        )
 
 
 def create_runtime(kind, devices, environment=None):
     """The runtime of a `kind` strategy: multi-worker joins the job."""
     del devices
+    supervision.watch_launcher()
     if kind != "multi_worker":
         return LocalRuntime()
     environment = environment or detect_environment()

@@ -15,6 +15,7 @@ import itertools
 
 import numpy as np
 
+from keras_dist._src.cluster import supervision
 from keras_dist._src.cluster.environments import detect_environment
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
@@ -126,6 +127,7 @@ def create_runtime(kind, devices, environment=None):
     """The runtime of a `kind` strategy (the multi-worker engine creates the
     tf.distribute strategy that starts the coordination service)."""
     del devices
+    supervision.watch_launcher()
     if kind != "multi_worker":
         return LocalRuntime()
     environment = environment or detect_environment()

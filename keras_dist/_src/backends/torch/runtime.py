@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_dist._src.cluster import launcher, supervision
+from keras_dist._src.cluster import binding, launcher, supervision
 from keras_dist._src.cluster.environments import (
     ClusterEnvironment,
     detect_environment,
@@ -163,6 +163,8 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         )
         return _job
     children = {}
+    listener = None
+    supervision.watch_launcher()
     explicit = environment is not None
     if environment is None:
         environment = detect_environment()
@@ -171,13 +173,22 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         # re-running the program (the documented behaviour of
         # `MirroredStrategy` on torch without a launcher).
         world = len(devices)
-        port = launcher.free_port()
+        # Listen before starting the children: no other process can take
+        # the port between choosing it and binding it.
+        listener = binding.listen_socket(
+            None if binding.bind_all_requested() else binding.LOOPBACK, 0
+        )
+        port = listener.getsockname()[1]
         extra = {}
         if not gpu and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // world)
             extra["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
-        children = launcher.start_workers(world, port, extra)
+        try:
+            children = launcher.start_workers(world, port, extra)
+        except BaseException:
+            listener.close()
+            raise
         environment = ClusterEnvironment(
             source="keras_dist",
             rank=0,
@@ -204,18 +215,76 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
     if gpu:
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
     _install_excepthook(_job)
-    dist.init_process_group(
-        "nccl" if gpu else "gloo",
-        init_method=f"tcp://{environment.coordinator_address}",
-        rank=rank,
-        world_size=world,
-        timeout=_timeout(),
-    )
+    _init_process_group("nccl" if gpu else "gloo", environment, listener)
     _job.start_watchdog()
     import atexit
 
     atexit.register(_shutdown)
     return _job
+
+
+def _init_process_group(backend, environment, listener=None) -> None:
+    """Initialises the default process group of `environment`'s job.
+
+    Rank 0 hosts the rendezvous store on the interface `binding.bind_host`
+    chooses (loopback for a one-host job), through a socket keras_dist
+    binds itself (``TCPStore`` on its own listens on every interface), and
+    a one-host job's gloo sockets listen on loopback too. Under torchrun,
+    whose agent hosts the store, torch's own ``tcp://`` rendezvous joins
+    the agent's store.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        environment: the job's `ClusterEnvironment`.
+        listener: rank 0's socket, already listening (a relaunched job);
+            None to bind the coordinator's port here.
+    """
+    rank, world = environment.rank, environment.world_size
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent_store:
+        if listener is not None:
+            listener.close()
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{environment.coordinator_address}",
+            rank=rank,
+            world_size=world,
+            timeout=_timeout(),
+        )
+        return
+    host = binding.bind_host(environment)
+    if world > 1 and host is not None and binding.is_loopback(host):
+        interface = binding.loopback_interface()
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # Read by gloo when it creates its device (the default group's
+            # and every new_group's); without it gloo listens on the
+            # address this host's name resolves to.
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if rank == 0:
+        if listener is None:
+            listener = binding.listen_socket(
+                host, int(environment.coordinator_port)
+            )
+        store = dist.TCPStore(
+            environment.coordinator_host,
+            int(environment.coordinator_port),
+            world,
+            is_master=True,
+            timeout=_timeout(),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns it now
+        )
+    else:
+        store = dist.TCPStore(
+            environment.coordinator_host,
+            int(environment.coordinator_port),
+            world,
+            is_master=False,
+            timeout=_timeout(),
+        )
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=_timeout()
+    )
 
 
 def _shutdown() -> None:
