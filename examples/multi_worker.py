@@ -7,6 +7,9 @@ Each worker runs this script; `MultiWorkerMirroredStrategy` reads where it
 stands from the launcher's variables. Workers seed differently on purpose:
 the chief's initial weights are broadcast. `--out DIR` makes the chief save
 its final weights and logs there (as `weights.npz` and `history.json`).
+`--strategy model_parallel --mesh 2,2` lays the Dense layers out over a
+("batch", "model") mesh spanning every worker's devices instead;
+`--strategy sharded` shards every variable over the workers (ZeRO-3).
 """
 
 import argparse
@@ -23,9 +26,25 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--out", default=None)
 parser.add_argument("--init", default=None, help="initial weights (.npz)")
+parser.add_argument(
+    "--strategy",
+    default="multi_worker",
+    choices=["multi_worker", "model_parallel", "sharded"],
+)
+parser.add_argument("--mesh", default="2,2", help="batch,model axis sizes")
 args = parser.parse_args()
 
-strategy = keras_dist.MultiWorkerMirroredStrategy()
+if args.strategy == "model_parallel":
+    shape = tuple(int(s) for s in args.mesh.split(","))
+    mesh = keras_dist.DeviceMesh(shape, ("batch", "model"))
+    layout_map = keras_dist.LayoutMap(mesh)
+    layout_map[".*dense.*/kernel"] = (None, "model")
+    layout_map[".*dense.*/bias"] = ("model",)
+    strategy = keras_dist.ModelParallel(layout_map, batch_dim_name="batch")
+elif args.strategy == "sharded":
+    strategy = keras_dist.ShardedDataParallel(min_size=16)
+else:
+    strategy = keras_dist.MultiWorkerMirroredStrategy()
 keras.utils.set_random_seed(1234 + strategy.worker_index)
 
 rng = np.random.default_rng(0)  # the same data on every worker
@@ -57,6 +76,9 @@ history = model.fit(
     verbose=2,  # only the chief prints
 )
 loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
+# Every worker reads the weights: a variable sharded over workers is
+# gathered from all of them (a collective).
+weights = model.get_weights()
 if strategy.is_chief:
     print(
         f"workers={strategy.num_workers} "
@@ -65,7 +87,7 @@ if strategy.is_chief:
     )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        np.savez(os.path.join(args.out, "weights.npz"), *model.get_weights())
+        np.savez(os.path.join(args.out, "weights.npz"), *weights)
         with open(os.path.join(args.out, "history.json"), "w") as f:
             json.dump(
                 {"history": history.history, "evaluate": [loss, accuracy]}, f

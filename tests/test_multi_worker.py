@@ -95,6 +95,39 @@ def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
     np.testing.assert_allclose(logs["evaluate"], expected_eval, rtol=1e-5)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="torch: tests/torch; TF: refused")
+@pytest.mark.parametrize("strategy", ["model_parallel", "sharded"])
+def test_mesh_across_two_workers_equals_one_device(tmp_path, strategy):
+    """A 2x2 ("batch", "model") mesh over 2 workers x 2 devices, and
+    ZeRO-3 over all 4, train like one device."""
+    keras.utils.set_random_seed(7)
+    model = _build()
+    np.savez(tmp_path / "init.npz", *model.get_weights())
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    x, y = _data()
+    history = model.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    args = ["--nproc-per-node", 2, "--cpu-devices-per-process", 2, EXAMPLE]
+    args += ["--strategy", strategy, "--epochs", 2, "--batch-size", 30]
+    args += ["--init", tmp_path / "init.npz", "--out", tmp_path / "out"]
+    proc, _ = _launch(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    replicas = 2 if strategy == "model_parallel" else 4
+    assert f"workers=2 replicas={replicas}" in proc.stdout
+    saved = np.load(tmp_path / "out" / "weights.npz")
+    weights = [saved[k] for k in saved.files]
+    difference = max_relative_difference(model.get_weights(), weights)
+    print(f"{BACKEND} {strategy} 2 workers: max relative {difference:.2e}")
+    assert difference <= 1e-5
+    logs = json.loads((tmp_path / "out" / "history.json").read_text())
+    np.testing.assert_allclose(
+        logs["history"]["loss"], history.history["loss"], rtol=1e-5
+    )
+
+
 KILLED = """
 import os, signal, sys
 import keras, numpy as np

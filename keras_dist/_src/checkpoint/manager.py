@@ -216,13 +216,12 @@ class CheckpointManager:
 def _reading_is_collective(runtime) -> bool:
     """Whether reading a variable may need every process (then all read).
 
-    In a TensorFlow multi-worker job, metrics are sync-on-read variables:
-    reading one all-reduces it across workers, so the chief alone would
-    wait forever for the others.
+    In a multi-worker job a read can be a collective: TensorFlow's metrics
+    are sync-on-read variables (reading one all-reduces it), and a variable
+    sharded over processes (JAX or torch layouts) is gathered from all of
+    them. So with several processes every one reads, and the chief writes.
     """
-    import keras
-
-    return runtime.world_size > 1 and keras.backend.backend() == "tensorflow"
+    return runtime.world_size > 1
 
 
 def apply(model, arrays: dict, metrics: bool = True) -> None:

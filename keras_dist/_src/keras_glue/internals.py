@@ -165,6 +165,27 @@ def set_loss_distribution_scaling(scale, unscale) -> None:
     _loss_module.unscale_loss_for_distribution = unscale
 
 
+def loss_reduction():
+    """Keras's private `reduce_weighted_values` (`keras.src.losses.loss`),
+    which every `Loss.__call__` ends with: mask and sample weights applied,
+    then the reduction (a masked mean divides by the unmasked count)."""
+    return _loss_module.reduce_weighted_values
+
+
+def set_loss_reduction(function) -> None:
+    """Replaces Keras's private `reduce_weighted_values` (see
+    `loss_reduction`); `Loss.__call__` looks it up on every call."""
+    _loss_module.reduce_weighted_values = function
+
+
+def keras_mask(x):
+    """The mask Keras attached to tensor `x` (its private `_keras_mask`,
+    read with `keras.src.backend.get_keras_mask`), or None."""
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(x)
+
+
 # -- layers -------------------------------------------------------------------
 def flatten_layers(model, include_self=False):
     """Keras's private `Layer._flatten_layers`: every layer of `model`,
@@ -361,3 +382,18 @@ def cache_saving_attr_skipsets() -> None:
 
     get_attr_skipset.__keras_dist_original__ = original
     saving_lib.get_attr_skipset = get_attr_skipset
+
+
+def replace_variable_array(make) -> None:
+    """Replaces Keras's private `Variable.__array__` (what
+    `variable.numpy()` and `model.get_weights()` read through) with
+    `make(original)`, once per process: JAX arrays sharded over several
+    processes cannot be read by NumPy directly."""
+    from keras.src.backend.common.variables import Variable
+
+    original = Variable.__array__
+    if getattr(original, "__keras_dist_original__", None) is not None:
+        return
+    replacement = make(original)
+    replacement.__keras_dist_original__ = original
+    Variable.__array__ = replacement

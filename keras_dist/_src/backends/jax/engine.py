@@ -49,6 +49,7 @@ from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
+
 class SPMDEngine:
     """One jitted SPMD step on global batches; a policy lays out state.
 
@@ -80,6 +81,8 @@ class SPMDEngine:
             (self.replicated, self.replicated) if self.multi_process else None
         )
         self._watchdog = None
+        if self.multi_process:
+            glue.replace_variable_array(_gathering_array)
         # XLA's CPU runtime runs each simulated device's part of a step on a
         # shared pool of max(cores, devices) threads, and its all-reduce
         # blocks a thread until every device arrives. With a step still
@@ -499,6 +502,21 @@ def host_value(x):
             return np.asarray(x.addressable_data(0))
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+def _gathering_array(original):
+    def __array__(self, dtype=None):
+        value = self.value
+        if (
+            isinstance(value, jax.Array)
+            and not value.is_fully_addressable
+            and not value.sharding.is_fully_replicated
+        ):
+            # A collective: every process must read (e.g. get_weights()).
+            return np.asarray(host_value(value), dtype=dtype)
+        return original(self, dtype)
+
+    return __array__
 
 
 def _from_chief(value):
