@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 
 import keras
@@ -20,6 +21,7 @@ import pytest
 
 import keras_dist
 from keras_dist import checkpoint
+from keras_dist._src.checkpoint import format as fmt
 from keras_dist.callbacks import PREEMPTION_EXIT_CODE, BackupAndRestore
 
 BACKEND = keras.backend.backend()
@@ -387,15 +389,16 @@ def test_signal_stops_fit_after_saving(tmp_path):
     model = build()
     fit(model, [callback, Signal()])
     assert callback.preempted
-    # Noticed after the next step (this callback runs after the signal).
-    assert checkpoint.latest(backup).endswith("ckpt-4")
+    # Acted on once every callback has seen the step the signal came in
+    # (the third), even though `Signal` runs after BackupAndRestore.
+    assert checkpoint.latest(backup).endswith("ckpt-3")
     meta = json.loads(
         open(os.path.join(checkpoint.latest(backup), "metadata.json")).read()
     )
     assert meta["position"] == {
         "epoch": 0,
-        "step_in_epoch": 4,
-        "global_step": 4,
+        "step_in_epoch": 3,
+        "global_step": 3,
         "steps_per_epoch": 5,
     }
     assert signal.getsignal(signal.SIGUSR1) == before
@@ -430,3 +433,187 @@ def test_bad_arguments_are_refused(tmp_path):
         BackupAndRestore(str(tmp_path), save_freq=0)
     with pytest.raises(ValueError, match="backup_dir"):
         BackupAndRestore("")
+
+
+# -- BackupAndRestore owns only what it wrote (issue 17) ---------------------
+def test_backup_refuses_a_directory_with_a_users_checkpoint(tmp_path):
+    root = tmp_path / "mine"
+    user = trained(tmp_path)
+    saved = checkpoint.save(user, root, step=1000)
+    (root / "notes.txt").write_text("mine")
+    before = sorted(os.listdir(root))
+    model = build()
+    weights = values(model.variables)
+    with pytest.raises(ValueError, match="did not write") as info:
+        fit(model, [BackupAndRestore(str(root))], epochs=1)
+    assert "ckpt-1000" in str(info.value)
+    assert sorted(os.listdir(root)) == before  # nothing deleted or added
+    assert checkpoint.latest(root) == saved
+    assert_same(values(model.variables), weights)  # nothing was restored
+
+
+def test_backup_deletes_only_its_own_files(tmp_path):
+    root = tmp_path / "backup"
+
+    class Intruder(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            (root / "user.txt").write_text("not the callback's")
+
+    backup = BackupAndRestore(str(root))
+    fit(build(), [backup, Intruder()], epochs=1)
+    # Its checkpoint and marker are gone; the user's file and so the
+    # directory stay.
+    assert sorted(os.listdir(root)) == ["user.txt"]
+    # A marked directory with a foreign file is refused too.
+    (root / "user.txt").unlink()
+    (root / "keras_dist_backup.json").write_text(
+        json.dumps({"owner": "keras_dist.callbacks.BackupAndRestore"})
+    )
+    (root / "other.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="other.bin"):
+        fit(build(), [BackupAndRestore(str(root))], epochs=1)
+    assert sorted(os.listdir(root)) == ["keras_dist_backup.json", "other.bin"]
+
+
+# -- preemption at every position (issue 17) ---------------------------------
+class Events(keras.callbacks.Callback):
+    """Records what callbacks see: batches, epochs, optimizer steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = [], []
+
+    def _step(self):
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append((batch, self._step()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append((epoch, self._step()))
+        self.epochs.append(
+            [float(logs[k]) for k in ("loss", "mae", "val_loss")]
+        )
+
+
+class Preempt(keras.callbacks.Callback):
+    """Sends SIGUSR1 to this process before call `at` of the train
+    function, or before the first validation batch."""
+
+    def __init__(self, at=None):
+        super().__init__()
+        self.at, self.calls, self.in_validation = at, 0, at is None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        self.calls += 1
+
+    def on_test_batch_begin(self, batch, logs=None):
+        if self.in_validation:
+            self.in_validation = False
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+_REFERENCES = {}
+
+
+def preemption_fit(model, callbacks, spe):
+    x, y = data()
+    model.compile(
+        optimizer="adam", loss="mse", metrics=["mae"], steps_per_execution=spe
+    )
+    return model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        shuffle=True,
+        verbose=0,
+        validation_data=(x[:16], y[:16]),
+        callbacks=callbacks,
+    )
+
+
+def _reference(spe):
+    if spe not in _REFERENCES:
+        model, events = build(), Events()
+        preemption_fit(model, [events], spe)
+        _REFERENCES[spe] = events, values(model.variables)
+    return _REFERENCES[spe]
+
+
+_SLOW = pytest.mark.slow
+_NO_TORCH_SPE = pytest.mark.skipif(
+    BACKEND == "torch", reason="Keras on torch runs 1 step a call"
+)
+
+
+@pytest.mark.parametrize(
+    "at, spe, saved, where",
+    [
+        pytest.param(
+            0, 1, 1, "at epoch 1, step 1 of 5", id="first-step", marks=_SLOW
+        ),
+        pytest.param(
+            2, 1, 3, "at epoch 1, step 3 of 5", id="mid-epoch", marks=_SLOW
+        ),
+        pytest.param(4, 1, 5, "at epoch 1, step 5 of 5", id="epoch-end"),
+        pytest.param(
+            9, 1, 10, "at epoch 2, step 5 of 5", id="run-end", marks=_SLOW
+        ),
+        pytest.param(
+            None, 1, 5, "after epoch 1 of 2", id="validation", marks=_SLOW
+        ),
+        pytest.param(
+            2,
+            2,
+            5,
+            "at epoch 1, step 5 of 5",
+            id="steps_per_execution",
+            marks=[_NO_TORCH_SPE, _SLOW],
+        ),
+    ],
+)
+def test_preemption_at_every_position(tmp_path, capsys, at, spe, saved, where):
+    """Preempted at `at`, resumed: callbacks see each trained step once,
+    the checkpoint is named after the optimizer's step, the message gives
+    the true epoch, and the weights are those of an uninterrupted run."""
+    reference, expected = _reference(spe)
+    backup = str(tmp_path / "backup")
+    first = Events()
+
+    def backup_callback():
+        return BackupAndRestore(
+            backup, save_freq=False, preemption_signals=(signal.SIGUSR1,)
+        )
+
+    with pytest.raises(SystemExit) as info:
+        preemption_fit(build(), [Preempt(at), backup_callback(), first], spe)
+    assert info.value.code == PREEMPTION_EXIT_CODE
+    message = capsys.readouterr().err
+    assert f"{where} (global step {saved})" in message, message
+    path = checkpoint.latest(backup)
+    assert os.path.basename(path) == f"ckpt-{saved}"
+    arrays = fmt.load_arrays(path, fmt.read_metadata(path))
+    (iteration,) = [
+        v
+        for k, v in arrays.items()
+        if re.match(r"optimizer/[^/]+/iteration$", k)
+    ]
+    assert int(iteration) == saved
+    assert first.batches[-1][1] == saved  # every callback saw that step
+
+    model, second = build(), Events()
+    callback = backup_callback()
+    preemption_fit(model, [callback, second], spe)
+    assert callback.restored_from == path
+    assert first.batches + second.batches == reference.batches
+    steps = [e for e in first.epochs + second.epochs if isinstance(e, tuple)]
+    assert steps == [e for e in reference.epochs if isinstance(e, tuple)]
+    logs = [e for e in first.epochs + second.epochs if isinstance(e, list)]
+    np.testing.assert_allclose(
+        logs, [e for e in reference.epochs if isinstance(e, list)], rtol=1e-6
+    )
+    assert_same(values(model.variables), expected, rtol=1e-6)
+    assert not os.path.exists(backup)

@@ -12,8 +12,13 @@ at the start of the interrupted epoch before Keras draws its order.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import secrets
 import signal
 import sys
+import time
 
 import keras
 
@@ -24,6 +29,11 @@ from keras_dist._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from keras_dist._src.keras_glue import internals as glue
 
 EPOCH_RNG_PREFIX = "epoch_begin/"
+#: The file that marks a directory as a `BackupAndRestore` backup: written
+#: (atomically) when the callback creates or claims an empty directory.
+OWNER_FILE = "keras_dist_backup.json"
+OWNER = "keras_dist.callbacks.BackupAndRestore"
+_OWNER_TEMP = re.compile(r"^\.keras_dist_backup\.json\.tmp-[0-9a-f]+$")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -41,12 +51,19 @@ class BackupAndRestore(keras.callbacks.Callback):
     `keras.utils.set_random_seed` called before building the model). When
     `fit` finishes, the backup is deleted.
 
+    The callback owns its directory: it claims a new or empty one by
+    writing `OWNER_FILE` there, resumes only from a directory with that
+    marker, and deletes only the files it wrote. A directory holding
+    anything else (e.g. checkpoints of `keras_dist.checkpoint.save`) is
+    refused with a `ValueError` and left untouched.
+
     Works for models of any keras_dist strategy and for plain Keras models.
     With several processes, `backup_dir` must be on a filesystem every
     process can read; only the chief writes.
 
     Args:
-        backup_dir: directory for this run's checkpoints only.
+        backup_dir: directory for this run's checkpoints only: new or
+            empty at the first start (the callback marks it as its own).
         save_freq: ``"epoch"``, a number of steps, or False (save only on
             preemption).
         keep: how many newest checkpoints to keep.
@@ -124,6 +141,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._timer = None
         self._agreement = None
         self._runtime = None
+        self._owned = set()  # checkpoint names in backup_dir that are ours
+        self._wrapped = None  # fit's CallbackList, whose hooks we wrap
+        self._unwrap_list = None
         self._reset_position()
 
     def _reset_position(self):
@@ -131,9 +151,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step_in_epoch = 0
         self._global_step = 0
         self._last_saved = None
+        self._last_saved_at = None
         self._epoch_rng = {}
         self._resume = None
         self._skipping = 0
+        self._skipped_call = False  # the train-function call just skipped
+        self._metric_keys = None  # names of the resumed epoch's metrics
         self._unskip = None
         self._metrics_pending = False
 
@@ -144,17 +167,99 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.preempted = False
         self.restored_from = None
         self._runtime = runtime_glue.runtime_of(model)
+        self._claim()
         found = self.manager.load(model)
         if self._runtime.is_chief:
             fmt.clean_temporaries(self.backup_dir)
+        frame = _fit_frame(model)
+        self._wrap_callback_list(frame)
         if found is not None:
             self._restore(model, *found)
         if self.save_on_preemption and self.preemption_signals:
-            self._watcher.install(_fit_frame(model))
+            self._watcher.install(frame)
             self._timer = preemption.GraceTimer(
                 self._watcher, self.grace_period
             ).start()
         self._agreement = preemption.Agreement(self._runtime, self._watcher)
+
+    def _claim(self) -> None:
+        """Makes sure `backup_dir` is this callback's own (collective).
+
+        A missing or empty directory is claimed with `OWNER_FILE`; one
+        with the marker is resumed from; anything else (a user's own
+        checkpoints, other files) is refused, untouched.
+
+        Raises:
+            ValueError: naming the files the callback did not write.
+        """
+        problem = None
+        if self._runtime.is_chief:
+            problem, owned = _claim(self.backup_dir)
+            self._owned = set(owned)
+        if self._runtime.world_size > 1:
+            code = self._runtime.broadcast(int(problem is not None), root=0)
+            if int(code) and problem is None:
+                problem = (
+                    f"BackupAndRestore refuses backup_dir {self.backup_dir!r}"
+                    ": it holds files it did not write (see the chief's "
+                    "error)."
+                )
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _wrap_callback_list(self, frame) -> None:
+        """Takes the batch and epoch-end hooks of `fit`'s `CallbackList`.
+
+        Skipped batches (see `_install_skip`) then reach no callback, and
+        a preemption is acted on after every callback has seen the step
+        or the epoch (not in the middle of the list). Without the list
+        (a custom loop calling the hooks itself) this callback does both
+        in its own hooks, as far as it can.
+        """
+        self._wrapped = None
+        callbacks = None if frame is None else frame.f_locals.get("callbacks")
+        if not isinstance(callbacks, keras.callbacks.CallbackList) or not any(
+            c is self for c in callbacks.callbacks
+        ):
+            return
+        names = ("on_train_batch_begin", "on_train_batch_end", "on_epoch_end")
+        original = {name: getattr(callbacks, name) for name in names}
+
+        def on_train_batch_begin(batch, logs=None):
+            if self._wrapped is not callbacks or not self._skipping:
+                original["on_train_batch_begin"](batch, logs)
+
+        def on_train_batch_end(batch, logs=None):
+            if self._wrapped is not callbacks:
+                return original["on_train_batch_end"](batch, logs)
+            if self._skipped_call:
+                self._skipped_batch_end(batch)
+                return
+            original["on_train_batch_end"](batch, logs)
+            self._check_preemption(
+                agree=self._global_step % self.preemption_check_freq == 0
+            )
+
+        def on_epoch_end(epoch, logs=None):
+            original["on_epoch_end"](epoch, logs)
+            if self._wrapped is callbacks:
+                self._check_preemption()
+
+        hooks = {
+            "on_train_batch_begin": on_train_batch_begin,
+            "on_train_batch_end": on_train_batch_end,
+            "on_epoch_end": on_epoch_end,
+        }
+        callbacks.__dict__.update(hooks)
+        self._wrapped = callbacks
+
+        def unwrap():
+            self._wrapped = None
+            for name, hook in hooks.items():
+                if callbacks.__dict__.get(name) is hook:
+                    del callbacks.__dict__[name]
+
+        self._unwrap_list = unwrap
 
     def _restore(self, model, path, metadata, arrays):
         manager_lib.apply(model, arrays, metrics=False)
@@ -163,6 +268,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         step = int(position.get("step_in_epoch", 0))
         self._global_step = int(position.get("global_step", metadata["step"]))
         self._last_saved = self._global_step
+        self._last_saved_at = (epoch, step)
         self._epoch = epoch
         self.restored_from = path
         glue.set_initial_epoch(model, epoch or None)
@@ -174,7 +280,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "arrays": arrays,
         }
         saved_steps = position.get("steps_per_epoch")
-        steps = (self.params or {}).get("steps")
+        steps = self._steps()
         if step and saved_steps and steps and saved_steps != steps:
             _log(
                 self._runtime,
@@ -187,8 +293,24 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._install_skip(model, -(-step // spe), spe)
         _log(
             self._runtime,
-            f"resuming from {path} (epoch {epoch + 1}, step {step}, "
-            f"global step {self._global_step}).",
+            f"resuming from {path} ({self._where(epoch, step)}, global "
+            f"step {self._global_step}).",
+        )
+
+    def _steps(self):
+        """Steps per epoch of this fit (None while unknown)."""
+        steps = (self.params or {}).get("steps")
+        return int(steps) if steps else None
+
+    def _where(self, epoch: int, step: int) -> str:
+        """A position as people count it: ``at epoch 2, step 3 of 5`` or,
+        at an epoch's boundary, ``after epoch 2 of 2`` (1-based)."""
+        epochs = (self.params or {}).get("epochs")
+        if step == 0 and epoch > 0:
+            return f"after epoch {epoch}" + (f" of {epochs}" if epochs else "")
+        steps = self._steps()
+        return f"at epoch {epoch + 1}, step {step}" + (
+            f" of {steps}" if steps else ""
         )
 
     def _install_skip(self, model, calls, spe):
@@ -206,11 +328,26 @@ class BackupAndRestore(keras.callbacks.Callback):
             data = args[1] if backend == "jax" else args[0]
             if isinstance(data, (list, tuple)):
                 batches = list(data)
-            else:
-                batches = [next(data) for _ in range(spe)]
+            else:  # as Keras's step: the last call of an epoch may be short
+                batches = [next(data)]
+                for _ in range(spe - 1):
+                    try:
+                        batches.append(next(data))
+                    except StopIteration:
+                        break
             if remaining[0] == calls - 1 and self._metrics_pending:
                 self._restore_metrics(model, batches[0])
-            return ({}, args[0]) if backend == "jax" else {}
+            self._skipped_call = True
+            logs = {}
+            if remaining[0] <= 0:
+                # The epoch may end here (every step of it was trained):
+                # logs with the metrics' names make Keras report the
+                # restored metrics as the epoch's logs.
+                keys = self._metric_keys
+                if keys is None:
+                    keys = list(model.get_metrics_result())
+                logs = {key: 0.0 for key in keys}
+            return (logs, args[0]) if backend == "jax" else logs
 
         self._skipping = calls
         self._unskip = lambda: setattr(model, "train_function", original)
@@ -238,6 +375,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 metrics = glue.compile_metrics(self.model)
                 if metrics is None or metrics.built:
                     self._restore_metrics(self.model)
+                    # (Read now: JAX holds the variables apart during steps.)
+                    self._metric_keys = list(self.model.get_metrics_result())
                 else:  # built when the step is traced: see `_restore_metrics`
                     self._metrics_pending = True
             else:
@@ -248,46 +387,91 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step_in_epoch = 0
         self._epoch_rng = state.capture_rng()
 
+    def _steps_done(self, batch) -> int:
+        """Steps of the epoch done after the call that ended at `batch`.
+
+        Keras numbers the last call of an epoch as if it ran a whole
+        `steps_per_execution`; only the epoch's real steps count.
+        """
+        steps = self._steps()
+        return min(batch + 1, steps) if steps else batch + 1
+
+    def _skipped_batch_end(self, batch) -> None:
+        """Accounts for a skipped call (no callback sees it)."""
+        self._skipped_call = False
+        self._skipping -= 1
+        self._step_in_epoch = self._steps_done(batch)
+        if not self._skipping:
+            state.restore_rng(self._resume["rng"])
+            self._resume = None
+
     def on_train_batch_end(self, batch, logs=None):
-        if self._skipping:
-            self._skipping -= 1
-            self._step_in_epoch = batch + 1
-            if not self._skipping:
-                state.restore_rng(self._resume["rng"])
-                self._resume = None
+        if self._skipped_call:  # only without the wrapped CallbackList
+            self._skipped_batch_end(batch)
             return
-        self._global_step += batch + 1 - self._step_in_epoch
-        self._step_in_epoch = batch + 1
+        done = self._steps_done(batch)
+        self._global_step += done - self._step_in_epoch
+        self._step_in_epoch = done
         if isinstance(self.save_freq, int) and self.save_freq is not False:
             since = self._global_step - (self._last_saved or 0)
             if since >= self.save_freq:
                 self._save()
-        self._check_preemption(
-            agree=self._global_step % self.preemption_check_freq == 0
-        )
+        if self._wrapped is None:
+            self._check_preemption(
+                agree=self._global_step % self.preemption_check_freq == 0
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
         self._step_in_epoch = 0
         if self.save_freq == "epoch":
             self._save()
-        self._check_preemption()
+        if self._wrapped is None:
+            self._check_preemption()
 
     def on_train_end(self, logs=None):
         if self._skipping and self._unskip is not None:
             self._unskip()  # the saved position was past this fit's end
         self._skipping = 0
+        self._skipped_call = False
+        if self._unwrap_list is not None:
+            self._unwrap_list()
+            self._unwrap_list = None
         self._stop_watching()
         model = glue.callback_model(self)
         self.manager.wait(model)
         if model is not None:
             glue.set_initial_epoch(model, None)
         if self.delete_checkpoint and not self.preempted:
-            self.manager.remove_all(model)
+            self._remove_backup(model)
+
+    def _remove_backup(self, model) -> None:
+        """Deletes the files this callback owns, then the directory if it
+        is empty (chief; collective)."""
+        runtime = self.manager.runtime(model)
+        if runtime.is_chief and os.path.isdir(self.backup_dir):
+            for name in sorted(self._owned):
+                if fmt.step_of(name) is not None:
+                    fmt.remove(os.path.join(self.backup_dir, name))
+            fmt.clean_temporaries(self.backup_dir)
+            for name in os.listdir(self.backup_dir):
+                if name == OWNER_FILE or _OWNER_TEMP.match(name):
+                    _remove_file(os.path.join(self.backup_dir, name))
+            try:
+                os.rmdir(self.backup_dir)
+            except OSError:
+                pass  # files someone else put there: leave them
+        self._owned = set()
+        runtime.barrier("keras_dist/backup/removed")
 
     # -- saving and preemption ----------------------------------------------
     def _save(self) -> None:
-        if self._last_saved == self._global_step and self._last_saved:
+        where = (self._epoch, self._step_in_epoch)
+        if (
+            self._last_saved == self._global_step
+            and self._last_saved
+            and self._last_saved_at == where
+        ):
             return
         extra = {}
         if self._step_in_epoch:
@@ -298,10 +482,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             "global_step": self._global_step,
             "steps_per_epoch": (self.params or {}).get("steps"),
         }
-        self.manager.save(
+        path = self.manager.save(
             self.model, self._global_step, position, extra_arrays=extra
         )
+        self._owned.add(os.path.basename(path))
         self._last_saved = self._global_step
+        self._last_saved_at = where
 
     def _check_preemption(self, agree=True) -> None:
         if self._agreement is None or self.preempted:
@@ -318,10 +504,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.manager.async_save = was_async
         self.preempted = True
         self._stop_watching()
+        if self._unwrap_list is not None:
+            self._unwrap_list()  # fit ends here: let its CallbackList go
+            self._unwrap_list = None
         name = preemption.signal_name(received) if received else "a signal"
         where = (
-            f"{self.backup_dir} at epoch {self._epoch + 1}, step "
-            f"{self._step_in_epoch} (global step {self._global_step})"
+            f"{self.backup_dir} {self._where(self._epoch, self._step_in_epoch)}"
+            f" (global step {self._global_step})"
         )
         if self.exit_on_preemption:
             _log(
@@ -357,3 +546,88 @@ def _log(runtime, message: str) -> None:
     if runtime is None or runtime.is_chief:
         sys.stderr.write(f"keras_dist: {message}\n")
         sys.stderr.flush()
+
+
+def _is_ours(name: str) -> bool:
+    """Whether `name` is one a `BackupAndRestore` directory may hold."""
+    return (
+        name == OWNER_FILE
+        or fmt.step_of(name) is not None
+        or bool(fmt._TEMP.match(name))
+        or bool(_OWNER_TEMP.match(name))
+    )
+
+
+def _claim(directory: str):
+    """Claims `directory` for a backup, or says why not.
+
+    Returns:
+        ``(problem, owned)``: an error message or None, and the names of
+        the checkpoints already there (ours when the marker is).
+    """
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        return (
+            f"BackupAndRestore's backup_dir {directory!r} is not a "
+            "directory. Pass a new or empty directory.",
+            [],
+        )
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if OWNER_FILE not in names:
+        if names:
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            return (
+                f"BackupAndRestore will not use backup_dir {directory!r}: "
+                f"it holds files this callback did not write ({shown}) and "
+                f"no {OWNER_FILE} marker. The callback resumes from and "
+                "deletes only a backup of its own, so it leaves this "
+                "directory untouched. Pass a new or empty directory (e.g. "
+                "a subdirectory) as backup_dir.",
+                [],
+            )
+        os.makedirs(directory, exist_ok=True)
+        _write_owner(directory)
+        return None, []
+    problem = _owner_problem(os.path.join(directory, OWNER_FILE))
+    foreign = [n for n in names if not _is_ours(n)]
+    if problem is None and foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        problem = f"it also holds files this callback did not write ({shown})"
+    if problem is not None:
+        return (
+            f"BackupAndRestore will not use backup_dir {directory!r}: "
+            f"{problem}. It leaves the directory untouched; move those "
+            "files away or pass a new or empty directory.",
+            [],
+        )
+    return None, [n for n in names if fmt.step_of(n) is not None]
+
+
+def _owner_problem(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read(1 << 16))
+    except (OSError, ValueError) as error:
+        return f"its {OWNER_FILE} is unreadable ({error})"
+    if not isinstance(record, dict) or record.get("owner") != OWNER:
+        return f"its {OWNER_FILE} does not name {OWNER}"
+    return None
+
+
+def _write_owner(directory: str) -> None:
+    """Writes `OWNER_FILE` atomically (a temporary file, then a rename)."""
+    record = {"owner": OWNER, "format_version": 1, "created": time.time()}
+    final = os.path.join(directory, OWNER_FILE)
+    temp = os.path.join(directory, f".{OWNER_FILE}.tmp-{secrets.token_hex(4)}")
+    try:
+        fmt._write_bytes(temp, json.dumps(record).encode())
+        os.replace(temp, final)
+    finally:
+        _remove_file(temp)
+    fmt._fsync_dir(directory)
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
