@@ -216,3 +216,223 @@ def test_torch_training_features(tmp_path):
         assert result["caught"] == "boom"
         assert result["fit_after_caught"] == 1
         assert result["mixing"] == "StrategyMixingError"
+
+
+STEPS_AND_MASKS_SCRIPT = """
+import json, os, sys
+import numpy as np
+import torch
+import keras
+import keras_dist
+
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+rank = strategy.worker_index
+rng = np.random.default_rng(0)
+# 22 samples, batch 7: shards 4/3 and, in the last step, 1/0 (empty).
+N, T, V = 22, 7, 9
+tokens = rng.integers(1, V, size=(N, T))
+for i, length in enumerate(rng.integers(1, T + 1, size=N)):
+    tokens[i, length:] = 0  # padding: masked by Embedding(mask_zero=True)
+labels = rng.integers(0, 3, size=(N, T))
+weights_2d = rng.uniform(0.5, 2.0, size=(N, T)).astype("float32")
+series = rng.normal(size=(N, T, 3)).astype("float32")
+series[tokens == 0] = 0.0  # masked by Masking(0.0)
+targets = rng.normal(size=(N, T, 2)).astype("float32")
+# 20 samples, batch 7: every step (7, 7, 6) has samples on both ranks.
+x = rng.normal(size=(20, 6)).astype("float32")
+y = rng.normal(size=(20, 2)).astype("float32")
+z = rng.normal(size=(22, 3)).astype("float32")
+real = rng.normal(size=(22, 6)).astype("float32")
+
+
+def rel(a, b):
+    # Relative to each tensor's largest value; absolute below 1e-3 (the
+    # attention key bias has a zero gradient: round-off near 1e-9).
+    return max(
+        float(np.max(np.abs(p - q)) / max(np.max(np.abs(p)), 1e-3))
+        for p, q in zip(a, b)
+    )
+
+
+def embedding_lstm_attention():
+    i = keras.Input((T,), dtype="int32")
+    h = keras.layers.Embedding(V, 4, mask_zero=True)(i)
+    h = keras.layers.LSTM(4, return_sequences=True)(h)
+    h = keras.layers.MultiHeadAttention(2, 2)(h, h)
+    return keras.Model(i, keras.layers.Dense(3)(h))
+
+
+def masking_gru():
+    i = keras.Input((T, 3))
+    h = keras.layers.Masking(0.0)(i)
+    h = keras.layers.GRU(4, return_sequences=True)(h)
+    return keras.Model(i, keras.layers.Dense(2)(h))
+
+
+class GuideStep(keras.Sequential):
+    # The Keras guide's torch `train_step`/`test_step`: loss tracker fed
+    # a scalar, compiled metrics through `self.metrics`.
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        loss.backward()
+        weights = self.trainable_weights[:]
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in weights], weights)
+        return self._update(loss, y, y_pred)
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
+        return self._update(loss, y, y_pred)
+
+    def _update(self, loss, y, y_pred):
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GAN(keras.Model):
+    # Two models, two optimizers, two Mean trackers (the Keras GAN guide;
+    # the latent points come with the data, so that both runs draw alike).
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(6)])
+        self.discriminator = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+             keras.layers.Dense(1)])
+        self.d_loss = keras.metrics.Mean(name="d_loss")
+        self.g_loss = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss, self.g_loss]
+
+    def call(self, inputs):
+        return self.discriminator(self.generator(inputs[1]))
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def train_step(self, data):
+        real, z = data[0] if isinstance(data[0], tuple) else data
+        n = real.shape[0]
+        combined = torch.concat([self.generator(z), real], axis=0)
+        truth = torch.concat([torch.ones((n, 1)), torch.zeros((n, 1))], 0)
+        self.zero_grad()
+        d_loss = self.loss_fn(truth, self.discriminator(combined))
+        d_loss.backward()
+        d_weights = self.discriminator.trainable_weights
+        with torch.no_grad():
+            self.d_optimizer.apply([v.value.grad for v in d_weights],
+                                   d_weights)
+        self.zero_grad()
+        fake = self.discriminator(self.generator(z))
+        g_loss = self.loss_fn(torch.zeros((n, 1)), fake)
+        g_loss.backward()
+        g_weights = self.generator.trainable_weights
+        with torch.no_grad():
+            self.g_optimizer.apply([v.value.grad for v in g_weights],
+                                   g_weights)
+        self.d_loss.update_state(d_loss)
+        self.g_loss.update_state(g_loss)
+        return {"d_loss": self.d_loss.result(),
+                "g_loss": self.g_loss.result()}
+
+
+sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+CASES = {
+    "embedding_lstm_attention": (
+        embedding_lstm_attention, sce, ["accuracy"],
+        (tokens, labels, weights_2d)),
+    "masking_gru": (masking_gru, "mse", ["mae"], (series, targets, None)),
+    "guide_step": (
+        lambda: GuideStep([keras.Input((6,)),
+                           keras.layers.Dense(4, activation="tanh"),
+                           keras.layers.Dense(2)]),
+        "mse", ["mae"], (x, y, None)),
+}
+
+
+def train(case):
+    keras.utils.set_random_seed(5)
+    if case == "gan":
+        model = GAN()
+        model.compile(keras.optimizers.Adam(1e-2), keras.optimizers.SGD(0.1))
+        history = model.fit((real, z), batch_size=7, epochs=2, verbose=0)
+        return model.get_weights(), history.history, {}
+    build, loss, metrics, (a, b, w) = CASES[case]
+    model = build()
+    model.compile(keras.optimizers.SGD(0.5), loss, metrics=metrics)
+    history = model.fit(a, b, sample_weight=w, batch_size=7, epochs=2,
+                        verbose=0)
+    logs = model.evaluate(a, b, sample_weight=w, batch_size=7, verbose=0,
+                          return_dict=True)
+    return model.get_weights(), history.history, logs
+
+
+result = {}
+for case in [*CASES, "gan"]:
+    if rank == 0:
+        ref_weights, ref_history, ref_logs = train(case)
+    with strategy.scope():
+        weights, history, logs = train(case)
+    if rank == 0:
+        result[case] = {
+            "weights": rel(ref_weights, weights),
+            "history": max(
+                abs(a - b) / max(abs(a), 1e-6)
+                for key in ref_history
+                for a, b in zip(ref_history[key], history[key])
+            ),
+            "evaluate": max(
+                [abs(ref_logs[k] - logs[k]) / max(abs(ref_logs[k]), 1e-6)
+                 for k in ref_logs] or [0.0]
+            ),
+            "keys": sorted(history) == sorted(ref_history),
+        }
+    result[case + "_history"] = history
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_torch_masked_losses_and_user_step_logs(tmp_path):
+    """Masked per-timestep losses (Embedding(mask_zero=True) + LSTM +
+    attention with 2-D sample weights, Masking + GRU) and the logs of
+    user-written steps (the Keras guide's, a GAN with two optimizers) equal
+    one device's, on both ranks (issue #17)."""
+    proc, _ = run_torch_script(
+        tmp_path,
+        textwrap.dedent(STEPS_AND_MASKS_SCRIPT),
+        args=[tmp_path],
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    ]
+    chief = ranks[0]
+    for case in (
+        "embedding_lstm_attention",
+        "masking_gru",
+        "guide_step",
+        "gan",
+    ):
+        for key in ("weights", "history", "evaluate"):
+            assert chief[case][key] <= 1e-5, (case, key, chief[case])
+        assert chief[case]["keys"], case
+        # Both ranks log the same values.
+        assert ranks[1][case + "_history"] == chief[case + "_history"], case

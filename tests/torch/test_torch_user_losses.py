@@ -1,5 +1,6 @@
-"""torch: a model's own `add_loss` terms get one warning (a sum over the
-batch cannot equal one device under sharding); regularizers do not."""
+"""torch: a model's own `add_loss` terms get one warning naming the layer
+(a sum over the batch cannot equal one device under sharding);
+regularizers do not."""
 
 import json
 
@@ -21,6 +22,9 @@ strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
 
 
 class SumPenalty(keras.layers.Layer):
+    def __init__(self):
+        super().__init__(name="sum_penalty")
+
     def call(self, x):
         self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))
         return x
@@ -47,8 +51,10 @@ for own_loss in (False, True):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0)
-    results[str(own_loss)] = sum(
-        "add_loss" in str(w.message) for w in caught
+    messages = [str(w.message) for w in caught if "add_loss" in str(w.message)]
+    results[str(own_loss)] = len(messages)
+    results[str(own_loss) + "_names_layer"] = all(
+        "'sum_penalty'" in m for m in messages
     )
 if strategy.is_chief:
     with open(sys.argv[1], "w") as f:
@@ -63,4 +69,6 @@ def test_own_add_loss_warns_once_regularizers_do_not(tmp_path):
     proc, _ = run_torch_script(tmp_path, SCRIPT, [out], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = json.loads(out.read_text())
-    assert warned == {"False": 0, "True": 1}
+    assert warned["False"] == 0 and warned["True"] == 1, warned
+    # The warning names the layer that adds the term.
+    assert warned["True_names_layer"], warned

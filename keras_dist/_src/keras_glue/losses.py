@@ -27,6 +27,7 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
     def __init__(self, model):
         self._model = model
         self.found = False
+        self.layers = []  # names of the layers that added them
 
     def __enter__(self):
         self._patches = InstancePatches()
@@ -36,11 +37,15 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
             state = {"regularizing": False}
             original_add = layer.add_loss
 
-            def add_loss(loss, state=state, original_add=original_add):
+            def add_loss(
+                loss, state=state, original_add=original_add, name=layer.name
+            ):
                 if state["regularizing"]:
                     state["regularizing"] = False
                 else:
                     self.found = True
+                    if name not in self.layers:
+                        self.layers.append(name)
                 return original_add(loss)
 
             self._patches.set(layer, "add_loss", add_loss)
@@ -59,15 +64,22 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
         return False
 
 
-def warn_user_losses(model) -> None:
+def warn_user_losses(model, layers=()) -> None:
     """Warns once per model that its own `add_loss` terms may not equal
-    one device's under a multi-replica strategy."""
+    one device's under a multi-replica strategy.
+
+    Args:
+        model: the model.
+        layers: names of the layers that added the terms (named in the
+            warning).
+    """
     if model.__dict__.get("_keras_dist_add_loss_warned"):
         return
     model.__dict__["_keras_dist_add_loss_warned"] = True
+    named = f" (layers {', '.join(map(repr, layers))})" if layers else ""
     warnings.warn(
-        f"Model {model.name!r} adds losses with `add_loss` (other than "
-        "weight and activity regularizers). Under a keras_dist strategy "
+        f"Model {model.name!r} adds losses with `add_loss`{named}, other "
+        "than weight and activity regularizers. Under a keras_dist strategy "
         "with several replicas each replica's loss, `add_loss` values "
         "included, is weighted by its share of the global batch: exact for "
         "a loss that is a mean over the batch, but a loss that sums over the "

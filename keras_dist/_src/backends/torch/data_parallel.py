@@ -59,6 +59,7 @@ from keras_dist._src.keras_glue.losses import (
     watch_user_losses,
 )
 from keras_dist._src.options import InputOptions
+from keras_dist._src.patching import InstancePatches
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 
@@ -220,6 +221,157 @@ def all_reduce_metric_deltas(engine, variables, before) -> None:
             n = t.numel()
             t.copy_(total[offset : offset + n].view_as(t).to(t.dtype))
             offset += n
+
+
+# -- losses and metrics of a shard as parts of the global batch's -------------
+def global_mask_counts(engine, y_pred, has_samples: bool):
+    """Each masked output's count of unmasked elements over all ranks.
+
+    One collective after the forward pass (every rank, an empty shard
+    included, has the same outputs and masks); none when no output of
+    `y_pred` has a Keras mask.
+
+    Returns:
+        ``{id(mask): global count}`` (tensors on this rank's device).
+    """
+    masks = [glue.keras_mask(t) for t in tree.flatten(y_pred) if t is not None]
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return {}
+    with torch.no_grad():
+        counts = torch.stack(
+            [m.detach().to(torch.float64).sum() for m in masks]
+        ).to(engine.device)
+        if not has_samples:
+            counts = torch.zeros_like(counts)
+        dist.all_reduce(counts, group=engine.aux_group)
+    return {id(m): counts[i] for i, m in enumerate(masks)}
+
+
+_UNMATCHED_MASK_WARNED = set()
+
+
+@contextlib.contextmanager
+def global_loss_denominators(engine, n_local, n_global, counts=None):
+    """Keras's loss reductions of this rank's shard, rescaled so that
+    weighting the shard's loss by ``n_local / n_global`` (as the steps do)
+    gives this rank's exact part of the global batch's loss.
+
+    A masked mean (Keras divides by the unmasked count) is rescaled to
+    divide by the global batch's unmasked count instead of this shard's;
+    a ``"sum"`` reduction by ``n_global / n_local``. Means over samples or
+    elements (``"sum_over_batch_size"`` without a mask) are exact as they
+    are and unchanged.
+
+    Args:
+        engine: the rank's engine.
+        n_local: samples in this rank's shard (0: a stand-in that counts
+            for nothing).
+        n_global: samples in the global batch.
+        counts: ``{id(mask): global count}`` from `global_mask_counts`; None
+            (a user's step, which every rank runs alike) all-reduces each
+            masked loss's count where it is reduced.
+    """
+    original = glue.loss_reduction()
+    scale = n_global / max(n_local, 1)
+
+    def reduce_weighted_values(
+        values,
+        sample_weight=None,
+        mask=None,
+        reduction="sum_over_batch_size",
+        dtype=None,
+    ):
+        loss = original(
+            values,
+            sample_weight=sample_weight,
+            mask=mask,
+            reduction=reduction,
+            dtype=dtype,
+        )
+        if tuple(np.shape(values)) in ((), (0,)) or not isinstance(
+            loss, torch.Tensor
+        ):
+            return loss  # Keras returns such values unreduced
+        if reduction == "sum":
+            return loss * scale
+        if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+            return loss
+        with torch.no_grad():
+            valid = torch.as_tensor(mask).detach().to(torch.float64).sum()
+            if counts is None:
+                total = valid * (1.0 if n_local > 0 else 0.0)
+                total = total.to(engine.device)
+                dist.all_reduce(total, group=engine.aux_group)
+            else:
+                total = counts.get(id(mask))
+                if total is None:
+                    _warn_unmatched_mask()
+                    return loss
+            factor = torch.where(
+                total > 0, valid.to(total.device) * scale / total, 0.0
+            )
+        return loss * factor.to(loss.device, loss.dtype)
+
+    glue.set_loss_reduction(reduce_weighted_values)
+    try:
+        yield
+    finally:
+        glue.set_loss_reduction(original)
+
+
+def _warn_unmatched_mask() -> None:
+    if "mask" in _UNMATCHED_MASK_WARNED:
+        return
+    _UNMATCHED_MASK_WARNED.add("mask")
+    warnings.warn(
+        "A loss is masked with a mask that is not a model output's Keras "
+        "mask (a loss that masks its own values): keras_dist divides it by "
+        "this replica's unmasked count, so with several replicas it may "
+        "differ from one device's. Mask through the model's outputs "
+        "(`compute_mask`) or with sample weights instead.",
+        stacklevel=3,
+    )
+
+
+class weighted_scalar_means:  # noqa: N801 - used as a context manager
+    """In a user's step: a scalar fed to a `keras.metrics.Mean` without a
+    sample weight (``tracker.update_state(loss)``) counts with weight
+    ``n_local / n_global``, its shard's part of the global batch.
+
+    Summed over ranks (the metric all-reduce) the weights add up to one a
+    step, as on one device, and a batch mean (a loss) to the global batch's
+    mean, also for unequal shards.
+    """
+
+    def __init__(self, metrics, share: float):
+        self._metrics = metrics
+        self._share = share
+
+    def __enter__(self):
+        self._patches = InstancePatches()
+        seen = set()
+        for metric in self._metrics:
+            if id(metric) in seen or not isinstance(metric, keras.metrics.Mean):
+                continue
+            if isinstance(metric, keras.metrics.MeanMetricWrapper):
+                continue  # per-sample values, summed exactly already
+            seen.add(id(metric))
+            original = metric.update_state
+
+            def update_state(
+                values, sample_weight=None, original=original, **kwargs
+            ):
+                if sample_weight is None and np.ndim(values) == 0:
+                    sample_weight = self._share
+                return original(values, sample_weight=sample_weight, **kwargs)
+
+            self._patches.set(metric, "update_state", update_state)
+        return self
+
+    def __exit__(self, *exc):
+        self._patches.restore()
+        return False
 
 
 # -- the step functions -------------------------------------------------------
@@ -499,16 +651,18 @@ class StepFunctions:
         if not self._losses_checked:
             self._losses_checked = True
             if watch.found:
-                warn_user_losses(model)
+                warn_user_losses(model, watch.layers)
+        counts = global_mask_counts(engine, y_pred, n_local > 0)
         if n_local > 0:
-            loss = glue.compute_loss(
-                model,
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=True,
-            )
+            with global_loss_denominators(engine, n_local, n_global, counts):
+                loss = glue.compute_loss(
+                    model,
+                    x=x,
+                    y=y,
+                    y_pred=y_pred,
+                    sample_weight=sample_weight,
+                    training=True,
+                )
             glue.loss_tracker(model).update_state(
                 loss.detach(), sample_weight=n_local
             )
@@ -655,6 +809,8 @@ class StepFunctions:
         synced = self._local_metrics_result()
 
         def pick(key, value):
+            if isinstance(value, dict):  # e.g. CompileMetrics's result
+                return {k: pick(k, v) for k, v in value.items()}
             mine = local.get(key)
             if mine is None or key not in synced:
                 return value
@@ -671,6 +827,17 @@ class StepFunctions:
 
         return {key: pick(key, value) for key, value in logs.items()}
 
+    def _mean_trackers(self):
+        """The model's metrics and metric attributes (Mean trackers)."""
+        model = self.model
+        found = list(model.metrics) + [glue.loss_tracker(model)]
+        found += [
+            v
+            for v in vars(model).values()
+            if isinstance(v, keras.metrics.Metric)
+        ]
+        return [m for m in found if m is not None]
+
     def _restore_metrics(self, snapshot) -> None:
         """Undoes the metric updates of a step on an empty shard."""
         if snapshot is None:
@@ -684,13 +851,16 @@ class StepFunctions:
                 t.copy_(snapshot[offset : offset + n].view_as(t).to(t.dtype))
                 offset += n
 
-    def _run_user_step(self, run, n_local):
+    def _run_user_step(self, run, n_local, n_global):
         """Runs a user's step with exact metrics.
 
         Metric reads through `get_metrics_result` inside the step (Keras's
         `compute_metrics`, `super().test_step(...)`) return values summed
         over ranks, so logs derived from them are global; a rank on a
         stand-in sample (empty shard) has its metric updates undone.
+        Scalars fed to `Mean` trackers count with the shard's share of the
+        global batch (`weighted_scalar_means`), and Keras's masked losses
+        divide by the global unmasked count (`global_loss_denominators`).
 
         Returns:
             ``(logs, this rank's metric results right after the step)``.
@@ -699,8 +869,14 @@ class StepFunctions:
         before = self._metrics_before_step()
         base = _metric_snapshot(variables) if n_local == 0 else None
         self._user_step = {"before": before, "base": base}
+        engine = self.engine
+        share = n_local / n_global
         try:
-            logs = run()
+            with (
+                weighted_scalar_means(self._mean_trackers(), share),
+                global_loss_denominators(engine, n_local, n_global),
+            ):
+                logs = run()
         finally:
             self.engine.phantom_shard = False
             state, self._user_step = self._user_step, None
@@ -739,7 +915,7 @@ class StepFunctions:
                 with self._training_forward():
                     return model.train_step(local)
 
-        logs, local_results = self._run_user_step(run, n_local)
+        logs, local_results = self._run_user_step(run, n_local, n_global)
         if not self.engine.sync_batch_norm:
             self._average_moving_statistics(n_local > 0)
         if self._check_weights_agree:
@@ -806,23 +982,27 @@ class StepFunctions:
         """Evaluates this rank's shard; metric state summed over ranks."""
         model = self.model
         if self.custom["test_step"]:
-            local, n_local, _ = self._local_data(data)
+            local, n_local, n_global = self._local_data(data)
             logs, local_results = self._run_user_step(
-                lambda: model.test_step(local), n_local
+                lambda: model.test_step(local), n_local, n_global
             )
             return self._merge_logs(logs, local_results)
-        x, y, sample_weight, n_local, _ = self._shard(data)
+        x, y, sample_weight, n_local, n_global = self._shard(data)
         before = self._metrics_before_step()
         y_pred = self._call(model, x, training=False)
+        counts = global_mask_counts(self.engine, y_pred, n_local > 0)
         if n_local > 0:
-            loss = glue.compute_loss(
-                model,
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=False,
-            )
+            with global_loss_denominators(
+                self.engine, n_local, n_global, counts
+            ):
+                loss = glue.compute_loss(
+                    model,
+                    x=x,
+                    y=y,
+                    y_pred=y_pred,
+                    sample_weight=sample_weight,
+                    training=False,
+                )
             glue.loss_tracker(model).update_state(loss, sample_weight=n_local)
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self._metrics_after_step(before)
