@@ -46,6 +46,11 @@ mode, directory = sys.argv[1], sys.argv[2]
 
 if os.environ.get("CKPT_STRATEGY") == "multi_worker":
     strategy = keras_dist.MultiWorkerMirroredStrategy()
+elif os.environ.get("CKPT_STRATEGY") == "model_parallel":
+    mesh = keras_dist.DeviceMesh((RANKS // 2, 2), ("batch", "model"))
+    layouts = keras_dist.LayoutMap(mesh)
+    layouts[".*dense.*/kernel"] = (None, "model")
+    strategy = keras_dist.ModelParallel(layouts)
 elif BACKEND == "torch" and RANKS > 1:
     strategy = keras_dist.MirroredStrategy([f"cpu:{i}" for i in range(RANKS)])
 elif BACKEND != "torch" and RANKS > 1:
@@ -180,7 +185,13 @@ def relative_difference(path_a, path_b):
 
 
 def interrupt_and_resume(
-    tmp_path, backend, ranks=1, devices=None, to_all=False, workers=None
+    tmp_path,
+    backend,
+    ranks=1,
+    devices=None,
+    to_all=False,
+    workers=None,
+    strategy=None,
 ):
     """Runs the training script, signals it at a random step, restarts
     it; returns the largest relative weight difference to the reference.
@@ -196,6 +207,8 @@ def interrupt_and_resume(
     script = write_script(tmp_path)
     backup = tmp_path / "backup"
     env = env_for(backend, ranks, devices)
+    if strategy:
+        env["CKPT_STRATEGY"] = strategy
     command = [sys.executable, str(script)]
     if workers:
         env.pop("KERAS_DIST_CPU_DEVICES", None)
@@ -263,6 +276,17 @@ def test_sigterm_then_restart_matches_uninterrupted_run(tmp_path):
     devices = None if BACKEND == "torch" else 2
     ranks = 1 if BACKEND == "torch" else 2
     assert interrupt_and_resume(tmp_path, BACKEND, ranks, devices) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "jax", reason="torch: its own tests; TF: none")
+def test_model_parallel_sigterm_then_restart_matches(tmp_path):
+    """A 2x2 ModelParallel run preempted at a random step resumes to the
+    uninterrupted run's weights."""
+    difference = interrupt_and_resume(
+        tmp_path, BACKEND, 4, 4, strategy="model_parallel"
+    )
+    assert difference <= 1e-6
 
 
 @pytest.mark.slow
