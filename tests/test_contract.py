@@ -156,6 +156,9 @@ KERAS_PRIVATE_NAMES = (
     "_backend_reset_gradient_accumulators",
     "_common_apply",
     "_tf_apply",
+    "_direct_assign",
+    "_track_variables",
+    "_torch_params",
 )
 GLUE_DIR = SRC / "keras_glue"
 

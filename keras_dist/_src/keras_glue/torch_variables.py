@@ -1,0 +1,45 @@
+"""Private Keras names the torch DTensor engine reaches, by name.
+
+A Keras torch variable (`keras.src.backend.torch.core.Variable`) holds a
+torch Parameter in its private `_value` (read and set with
+`internals.variable_value` / `set_variable_value`); the torch DTensor
+engine (`backends/torch/sharded.py`) swaps that Parameter for one that
+wraps a DTensor. Three more private names are involved, each here:
+`Variable._direct_assign` (where `assign` copies a value in) and
+`Variable.__array__` (what `get_weights()` reads) must accept a DTensor,
+and `TorchLayer._track_variables` rebuilds a layer's `_torch_params`
+(what `Module.parameters()` and `zero_grad` see) after the swap.
+
+Kept apart from `internals.py` only so that each file has one owner; the
+same rules apply (`tests/test_contract.py`). Torch's Keras modules are
+imported inside the functions.
+"""
+
+from __future__ import annotations
+
+
+def replace_torch_variable_methods(make_assign, make_array) -> None:
+    """Replaces the private `_direct_assign` and `__array__` of Keras's
+    torch `Variable` class with ``make_assign(original)`` and
+    ``make_array(original)``, once per process (each replacement should
+    fall back to `original` for a plain tensor)."""
+    from keras.src.backend.torch.core import Variable
+
+    original = Variable._direct_assign
+    if getattr(original, "__keras_dist_original__", None) is not None:
+        return
+    assign = make_assign(original)
+    assign.__keras_dist_original__ = original
+    array = make_array(Variable.__array__)
+    array.__keras_dist_original__ = Variable.__array__
+    Variable._direct_assign = assign
+    Variable.__array__ = array
+
+
+def retrack_torch_parameters(layers) -> None:
+    """Rebuilds each layer's private `_torch_params` (Keras's
+    `TorchLayer._track_variables`) from its variables' current values, so
+    that `parameters()` and `zero_grad()` see replaced Parameters."""
+    for layer in layers:
+        if hasattr(layer, "_torch_params"):
+            layer._track_variables()
