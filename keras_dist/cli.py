@@ -42,6 +42,7 @@ _SETTINGS = (
     "XLA_FLAGS",
     "CUDA_VISIBLE_DEVICES",
     "JAX_PLATFORMS",
+    "KERAS_DIST_BIND_ALL",
 )
 
 
@@ -96,15 +97,19 @@ def _cluster() -> dict:
     return report
 
 
-def _listens(backend: str, processes: int) -> list[str] | None:
+def _listens(backend: str, processes: int, problems: list) -> list | None:
     """What a job started here would listen on, and where (None when the
-    cluster environment cannot be read: reported elsewhere)."""
-    try:
-        from keras_dist._src.cluster import binding, detect_environment
+    cluster environment cannot be read: the cluster row says why)."""
+    from keras_dist._src.cluster import binding, detect_environment
 
+    try:
         environment = detect_environment()
+    except Exception:  # noqa: BLE001 - reported with the cluster
+        return None
+    try:
         return binding.endpoints(backend, environment, processes)
-    except Exception:  # noqa: BLE001 - the cluster row says why
+    except ValueError as error:  # a bad KERAS_DIST_BIND_ALL
+        problems.append(str(error))
         return None
 
 
@@ -311,7 +316,7 @@ def collect(cpu_devices: int = 0) -> dict:
         }
         problems.append(f"cluster environment: {error}")
     environment = report["cluster"].get("environment") or {}
-    report["listens"] = _listens(backend, len(devices))
+    report["listens"] = _listens(backend, len(devices), problems)
     if backend == "torch" and environment.get("world_size", 1) > 1:
         mirrored["note"] = (
             f"joins the {environment['source']} job as rank "
