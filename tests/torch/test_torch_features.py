@@ -263,6 +263,16 @@ def embedding_lstm_attention():
     return keras.Model(i, keras.layers.Dense(3)(h))
 
 
+def two_outputs():
+    # A masked sequence output and a pooled one with reduction="sum".
+    i = keras.Input((T,), dtype="int32")
+    h = keras.layers.Embedding(V, 4, mask_zero=True)(i)
+    h = keras.layers.LSTM(4, return_sequences=True)(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(i, {"seq": keras.layers.Dense(3, name="seq")(h),
+                           "vec": keras.layers.Dense(2, name="vec")(pooled)})
+
+
 def masking_gru():
     i = keras.Input((T, 3))
     h = keras.layers.Masking(0.0)(i)
@@ -356,6 +366,10 @@ CASES = {
         embedding_lstm_attention, sce, ["accuracy"],
         (tokens, labels, weights_2d)),
     "masking_gru": (masking_gru, "mse", ["mae"], (series, targets, None)),
+    "two_outputs": (
+        two_outputs,
+        {"seq": sce, "vec": keras.losses.MeanSquaredError(reduction="sum")},
+        None, (tokens, {"seq": labels, "vec": targets[:, 0]}, None)),
     "guide_step": (
         lambda: GuideStep([keras.Input((6,)),
                            keras.layers.Dense(4, activation="tanh"),
@@ -411,7 +425,8 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
 @pytest.mark.slow
 def test_torch_masked_losses_and_user_step_logs(tmp_path):
     """Masked per-timestep losses (Embedding(mask_zero=True) + LSTM +
-    attention with 2-D sample weights, Masking + GRU) and the logs of
+    attention with 2-D sample weights, Masking + GRU, a masked output
+    beside a reduction="sum" one) and the logs of
     user-written steps (the Keras guide's, a GAN with two optimizers) equal
     one device's, on both ranks (issue #17)."""
     proc, _ = run_torch_script(
@@ -428,6 +443,7 @@ def test_torch_masked_losses_and_user_step_logs(tmp_path):
     for case in (
         "embedding_lstm_attention",
         "masking_gru",
+        "two_outputs",
         "guide_step",
         "gan",
     ):
