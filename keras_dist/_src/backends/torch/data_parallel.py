@@ -18,7 +18,10 @@ model through `torch.nn.parallel.DistributedDataParallel`, so gradients are
 averaged by DDP's bucketed all-reduce, overlapped with the backward pass.
 Each rank's local mean loss is multiplied by ``n_local * world / n_global``
 first, which turns DDP's average into the gradient of the global-batch mean
-(also when shards differ in size or are empty).
+(also when shards differ in size or are empty). A Keras loss that is not a
+mean over samples is rescaled before that (`global_loss_denominators`): a
+masked mean to divide by the global batch's unmasked count (all-reduced
+after the forward pass), a ``"sum"`` by ``n_global / n_local``.
 
 Metric state is made exact by all-reducing, in one collective, how much
 each rank's metric variables changed during the step (numerators and
