@@ -237,22 +237,30 @@ def test_relaunched_torch_job_under_python_c(tmp_path):
 @pytest.mark.multi_process
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's one-worker job")
 def test_one_torch_worker_under_python_c():
+    # It once refused, "would start one process per device". Run with
+    # KERAS_DIST_BIND_ALL=1: its store then listens on every interface.
     code = textwrap.dedent(
-        """
+        f"""
+        import os, sys
         import keras_dist
         strategy = keras_dist.MultiWorkerMirroredStrategy()
         print("replicas", strategy.num_replicas_in_sync)
+        sys.path.insert(0, {ROOT!r})
+        from tests.test_supervision import listening
+        print("listening", sorted(listening(os.getpid())))
         """
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
-        env=_clean_env(),
+        env=dict(_clean_env(), KERAS_DIST_BIND_ALL="1"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "replicas 1" in proc.stdout
+    sockets = proc.stdout.split("listening", 1)[1]
+    assert "('::', " in sockets or "('0.0.0.0', " in sockets, sockets
 
 
 # The middle process starts a child through `launcher.spawn` as it does
