@@ -791,14 +791,23 @@ def torch_results(tmp_path_factory):
     return results
 
 
+#: JAX also runs every row under ShardedDataParallel (ZeRO-3: every
+#: variable with a dimension that 2 divides is split over 2 devices).
+LAYOUTS = ("zero3",) if BACKEND == "jax" else ()
+
+
 @pytest.fixture(scope="module")
 def strategies():
     import keras_dist
 
-    return {
+    out = {
         n: keras_dist.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)])
         for n in REPLICAS
     }
+    if "zero3" in LAYOUTS:
+        mesh = keras_dist.DeviceMesh((2,), ("batch",), ["cpu:0", "cpu:1"])
+        out["zero3"] = keras_dist.ShardedDataParallel(mesh, min_size=0)
+    return out
 
 
 def _params():
@@ -825,7 +834,7 @@ def test_row(name, request, tmp_path):
     assert "error" not in reference, reference.get("error")
     reference = reference["result"]
     failures = []
-    for n in REPLICAS:
+    for n in REPLICAS + LAYOUTS:
         if BACKEND == "torch":
             outcome = request.getfixturevalue("torch_results")[n][name]
         else:

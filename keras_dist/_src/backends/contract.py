@@ -79,6 +79,10 @@ class BackendModule(Protocol):
     def simulate_cpu_devices(self, count: int) -> None:
         """Splits the host CPU into `count` devices; before backend start."""
 
+    def host_array(self, value):
+        """The whole value of a tensor or variable as a NumPy array on the
+        host (gathered if it is sharded; may be a collective)."""
+
     def variables_distributed(self, model) -> bool:
         """Whether `model` has variables placed by a multi-device strategy."""
 
@@ -111,6 +115,7 @@ CONTRACT_FUNCTIONS = (
     "default_devices",
     "simulate_cpu_devices",
     "variables_distributed",
+    "host_array",
     "create_runtime",
     "create_engine",
 )

@@ -54,32 +54,14 @@ def _keys(group: str, variables) -> list[str]:
 
 
 def to_host(value) -> np.ndarray:
-    """A NumPy copy of a variable's value (never a view of device memory)."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
+    """A NumPy copy of a variable's value (never a view of device memory).
 
-        # A tf.distribute MirroredVariable reads as its primary copy.
-        array = tf.identity(value).numpy()
-    elif backend == "torch":
-        if hasattr(value, "full_tensor"):
-            # A DTensor (torch ModelParallel): gathered, a collective that
-            # every rank makes.
-            value = value.full_tensor()
-        array = value.detach().cpu().numpy()
-    else:
-        if getattr(value, "is_fully_addressable", True) is False:
-            if value.sharding.is_fully_replicated:
-                # A replicated JAX array of a multi-process job: this
-                # process's copy (every process holds the whole value).
-                value = value.addressable_data(0)
-            else:
-                # Sharded over processes (ModelParallel, ZeRO-3): every
-                # process takes part in gathering the whole value.
-                from jax.experimental import multihost_utils
+    The backend reads the whole value (`host_array`: a mirrored variable's
+    primary copy, a sharded one gathered from every device and process).
+    """
+    from keras_dist._src import backends
 
-                value = multihost_utils.process_allgather(value, tiled=True)
-        array = np.asarray(value)
+    array = backends.get().host_array(value)
     # One copy, and only where `array` may share memory with the device
     # buffer (which the next step can overwrite or donate).
     if not array.flags.owndata or not array.flags.writeable:

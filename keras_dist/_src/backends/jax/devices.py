@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
@@ -89,3 +90,17 @@ def variables_distributed(model) -> bool:
         ):
             return True
     return False
+
+
+def host_array(value) -> np.ndarray:
+    """The whole value of a JAX array on this host: a replicated array's
+    local copy, one sharded over processes gathered from all of them (a
+    collective: every process must call it)."""
+    if getattr(value, "is_fully_addressable", True) is False:
+        if value.sharding.is_fully_replicated:
+            value = value.addressable_data(0)
+        else:
+            from jax.experimental import multihost_utils
+
+            value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(value)

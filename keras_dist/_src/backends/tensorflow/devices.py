@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dist._src.devices import normalize_device
@@ -71,3 +72,9 @@ def variables_distributed(model) -> bool:
     """
     strategy = glue.tf_distribute_strategy(model)
     return getattr(type(strategy), "_keras_dist", False)
+
+
+def host_array(value) -> np.ndarray:
+    """The value of a tensor or variable on the host (a tf.distribute
+    MirroredVariable reads as its primary copy)."""
+    return np.asarray(tf.identity(value).numpy())

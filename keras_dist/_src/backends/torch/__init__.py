@@ -10,6 +10,7 @@ from keras_dist._src.backends import dispatch as _dispatch
 from keras_dist._src.backends.torch import data_parallel, sharded
 from keras_dist._src.backends.torch.devices import (
     default_devices,
+    host_array,
     list_devices,
     simulate_cpu_devices,
     variables_distributed,
@@ -36,6 +37,7 @@ __all__ = [
     "create_engine",
     "create_runtime",
     "default_devices",
+    "host_array",
     "list_devices",
     "simulate_cpu_devices",
     "variables_distributed",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from keras_dist._src.devices import ENV_CPU_DEVICES
@@ -104,3 +105,11 @@ def claim_cpu_devices(count: int) -> None:
     request for another simulated count is refused."""
     global _engine_cpus
     _engine_cpus = int(count)
+
+
+def host_array(value) -> np.ndarray:
+    """The whole value of a tensor on the host (a DTensor is gathered from
+    every rank: a collective that every rank must make)."""
+    if hasattr(value, "full_tensor"):  # torch.distributed.tensor.DTensor
+        value = value.full_tensor()
+    return value.detach().cpu().numpy()
