@@ -300,6 +300,7 @@ def collect(cpu_devices: int = 0) -> dict:
     else:
         mirrored["processes"] = 1
     report["mirrored_strategy"] = mirrored
+    report["mesh"] = _mesh_report(backend, devices)
     if cpu_devices and devices and devices[0].startswith("cpu"):
         if len(devices) != cpu_devices:
             problems.append(
@@ -380,6 +381,9 @@ def _format(report: dict) -> str:
         if "note" in mirrored:
             text += f"; {mirrored['note']}"
         row("MirroredStrategy()", text)
+    mesh = report.get("mesh")
+    if mesh:
+        row("mesh", mesh["text"])
     cluster = report["cluster"]
     if cluster is not None:
         environment = cluster.get("environment")
@@ -429,6 +433,30 @@ def _format(report: dict) -> str:
         lines.append("")
         lines.append("OK: nothing wrong found.")
     return "\n".join(lines)
+
+
+def _mesh_report(backend, devices) -> dict:
+    """What a mesh strategy would use here: the default 1-D mesh of
+    ShardedDataParallel() and how a ModelParallel mesh of these devices
+    could be shaped (TensorFlow: refused)."""
+    if backend == "tensorflow":
+        return {
+            "text": "ModelParallel / ShardedDataParallel: not available on "
+            "TensorFlow (use jax or torch)"
+        }
+    n = len(devices)
+    shapes = [(n // m, m) for m in range(1, n + 1) if n % m == 0]
+    return {
+        "devices": list(devices),
+        "default": [n],
+        "model_parallel_shapes": shapes,
+        "text": (
+            f"ShardedDataParallel() -> DeviceMesh(({n},), ('batch',)); "
+            "ModelParallel meshes (batch, model) of these devices: "
+            + ", ".join(f"{a}x{b}" for a, b in shapes)
+            + " (across workers: every device of every worker)"
+        ),
+    }
 
 
 def doctor(args) -> int:

@@ -68,6 +68,11 @@ def test_doctor_simulates_four_devices_and_all_reduces():
     assert "OK: nothing wrong found." in out.stdout
     if BACKEND == "torch":
         assert "starts 4 processes" in out.stdout
+    if BACKEND == "tensorflow":
+        assert "ShardedDataParallel: not available" in out.stdout
+    else:  # the mesh a layout strategy would use
+        assert "DeviceMesh((4,), ('batch',))" in out.stdout
+        assert "4x1, 2x2, 1x4" in out.stdout
 
 
 @pytest.mark.slow  # a fresh process: 5-10 s
