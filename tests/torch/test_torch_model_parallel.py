@@ -8,9 +8,10 @@ ShardedDataParallel on a 1-D mesh, each from rank 0's initial weights;
 it also records bytes per rank (`strategy.describe`, from the local
 shards) under MirroredStrategy, a LayoutMap key that matches nothing, and
 a checkpoint written under ModelParallel 1x2 and restored into the 2x1
-layout. A second run trains on 4 processes with a 2x2 mesh. The reference
-is plain Keras on one device in the test process, from the same initial
-weights; the checkpoint is also restored there.
+layout. A second run trains on 4 processes with a 2x2 mesh, with
+Dropout(0.3). The reference is plain Keras on one device in the test
+process, from the same initial weights; the checkpoint is also restored
+there.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import keras, keras_dist
 from tests.utils import build_model, compile_model, make_data
 
 rank = int(os.environ.get("RANK", 0))
+dropout = float(os.environ.get("DROPOUT", "0"))
 x, y, sw = make_data({N})
 out = {{}}
 
@@ -60,7 +62,8 @@ def layout_map(shape):
 def build(strategy):
     keras.backend.clear_session()  # the same layer names every time
     with strategy.scope():
-        model = build_model(seed=rank)  # rank 0's weights are used
+        # Rank 0's weights are used.
+        model = build_model(seed=rank, dropout=dropout)
         compile_model(model)
     return model
 
@@ -135,10 +138,10 @@ def _load(path):
     return [arrays[k] for k in arrays.files]
 
 
-def _reference(init):
+def _reference(init, dropout=0.0):
     """Plain Keras on one device from `init`: weights, logs, predictions."""
     keras.backend.clear_session()
-    model = build_model()
+    model = build_model(dropout=dropout)
     model.set_weights(init)
     compile_model(model)
     x, y, sw = make_data(N)
@@ -158,9 +161,9 @@ def _reference(init):
     return model.get_weights(), history.history, evaluation, predictions
 
 
-def _check_parity(tmp_path, name, world):
+def _check_parity(tmp_path, name, world, dropout=0.0):
     init = _load(tmp_path / f"{name}_init.npz")
-    weights, history, evaluation, predictions = _reference(init)
+    weights, history, evaluation, predictions = _reference(init, dropout)
     got = _load(tmp_path / f"{name}_weights.npz")
     difference = max_relative_difference(weights, got)
     assert difference <= 1e-5, (name, difference)
@@ -180,12 +183,16 @@ def _check_parity(tmp_path, name, world):
     return difference
 
 
-def _run(tmp_path, script, world):
+def _run(tmp_path, script, world, dropout=0.0):
     proc, _ = run_torch_script(
         tmp_path,
         script,
         timeout=900,
-        env={"KERAS_DIST_CPU_DEVICES": str(world), "PYTHONPATH": str(ROOT)},
+        env={
+            "KERAS_DIST_CPU_DEVICES": str(world),
+            "PYTHONPATH": str(ROOT),
+            "DROPOUT": str(dropout),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -234,7 +241,8 @@ def test_two_processes_layouts_match_one_device(tmp_path):
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_four_processes_2x2_mesh_matches_one_device(tmp_path):
-    _run(tmp_path, FOUR, 4)
-    _check_parity(tmp_path, "mp2x2", 4)
+    # With Dropout(0.3): each mask is the global batch's, as on one device.
+    _run(tmp_path, FOUR, 4, dropout=0.3)
+    _check_parity(tmp_path, "mp2x2", 4, dropout=0.3)
     logs = json.loads((tmp_path / "logs0.json").read_text())["mp2x2"]
     assert logs["describe"]["model/dense/kernel"][1] == ["None", "model"]

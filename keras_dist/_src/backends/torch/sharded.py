@@ -20,6 +20,9 @@ DTensor's operators insert the collectives (all-gathers of sharded
 weights, reductions of gradients and of the loss, metric and
 BatchNormalization statistics over the global batch). Nothing here writes
 a collective, except the broadcast of the chief's initial values.
+`Dropout` draws each mask for the global batch as one device does
+(`_global_dropout`). Convolution kernels stay whole: torch's DTensor
+convolution follows its input's placements only.
 
 Keras's torch trainer computes with the tensors inside its own variables,
 so wrapping the model with `fully_shard` or `parallelize_module` would be
@@ -438,6 +441,42 @@ class DTensorEngine:
         return distribute_dataset(dataset, self.rank, self.world_size)
 
 
+def _global_dropout(engine, layer, original):
+    """A `Dropout.call` that drops what one device drops.
+
+    On a DTensor batch in training, the mask is drawn with the layer's own
+    call on a plain tensor of ones of the global shape (the chief's
+    generators on every rank: the draw of one device), replicated, and
+    applied to the (split) batch. Elsewhere it is Keras's call.
+    """
+
+    def call(inputs, training=False):
+        if not training or not isinstance(inputs, DTensor) or layer.rate <= 0:
+            return original(inputs, training=training)
+        probe = torch.ones(
+            tuple(inputs.shape), dtype=inputs.dtype, device=engine.device
+        )
+        kept = DTensor.from_local(
+            original(probe, training=True),
+            inputs.device_mesh,
+            (Replicate(),) * inputs.device_mesh.ndim,
+            run_check=False,
+        )
+        seeded = (
+            layer.noise_shape is not None
+            or glue.seed_generator_initial_seed(layer.seed_generator)
+            is not None
+        )
+        if seeded:
+            # Keras's seeded path: where(mask, inputs / keep_prob, 0).
+            return torch.where(
+                kept != 0, inputs / (1.0 - layer.rate), torch.zeros_like(inputs)
+            )
+        return inputs * kept  # torch's dropout: inputs * (mask / keep_prob)
+
+    return call
+
+
 class _StepFunctions:
     """Keras's own steps on DTensor batches and variables."""
 
@@ -455,6 +494,12 @@ class _StepFunctions:
 
         get_metrics_result.__doc__ = cls.get_metrics_result.__doc__
         model.__dict__["get_metrics_result"] = get_metrics_result
+        for layer in glue.flatten_layers(model):
+            if type(layer) is keras.layers.Dropout:
+                original = type(layer).call.__get__(layer)
+                layer.__dict__["call"] = _global_dropout(
+                    self.engine, layer, original
+                )
         model.__dict__["make_train_function"] = self.make_train_function
         model.__dict__["make_test_function"] = self.make_test_function
         model.__dict__["make_predict_function"] = self.make_predict_function
