@@ -12,12 +12,12 @@ from keras_dist._src.cluster.environments import (
     ClusterConfigError,
     ClusterEnvironment,
 )
+from keras_dist._src.cluster.parameter_server import serve
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
     KerasDistError,
     LayoutError,
     StrategyMixingError,
-    TPUNotFoundError,
     UnsupportedBackendError,
     VariablesOutsideScopeError,
 )
@@ -27,13 +27,12 @@ from keras_dist._src.keras_glue import (
 from keras_dist._src.options import InputOptions, ShardPolicy
 from keras_dist._src.plan import DeviceMesh, LayoutMap
 from keras_dist._src.strategies import (
-    CentralStorageStrategy,
     MirroredStrategy,
     ModelParallel,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ParameterServerStrategy,
     ShardedDataParallel,
-    TPUStrategy,
     available_strategies,
     strategy_from_name,
 )
@@ -43,9 +42,6 @@ from keras_dist._src.values import PerReplica, ReduceOp
 __version__ = "0.2.0"
 
 __all__ = [
-    "CentralStorageStrategy",
-    "TPUNotFoundError",
-    "TPUStrategy",
     "ClusterConfigError",
     "ClusterEnvironment",
     "DeviceMesh",
@@ -59,6 +55,7 @@ __all__ = [
     "KerasDistError",
     "MirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ShardPolicy",
@@ -72,6 +69,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "list_devices",
+    "serve",
     "simulate_cpu_devices",
     "strategy_from_name",
 ]

@@ -375,3 +375,85 @@ def detect_environment(environ: Mapping[str, str] | None = None):
         if env is not None:
             return env
     return ClusterEnvironment()
+
+
+# -- parameter-server clusters (ParameterServerStrategy) ---------------------
+#: Task types of a parameter-server cluster, as TF_CONFIG names them.
+PS_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """This process's task in a parameter-server cluster (from TF_CONFIG).
+
+    Attributes:
+        task_type: ``"chief"``, ``"worker"``, ``"ps"`` or ``"evaluator"``;
+            None when no TF_CONFIG is set.
+        task_index: its index among the tasks of that type.
+        cluster: the addresses of every task, by type (``{"chief": [...],
+            "worker": [...], "ps": [...]}``; the evaluator is not part of it,
+            as in tf.distribute).
+    """
+
+    task_type: str | None = None
+    task_index: int = 0
+    cluster: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def address(self) -> str | None:
+        """``"host:port"`` of this task, or None (no TF_CONFIG)."""
+        members = self.cluster.get(self.task_type) or []
+        return members[self.task_index] if members else None
+
+
+def read_task_spec(environ: Mapping[str, str] | None = None) -> TaskSpec:
+    """Reads this process's task in a parameter-server cluster from
+    ``TF_CONFIG`` (all four task types: chief, worker, ps, evaluator).
+
+    Returns:
+        A `TaskSpec`; ``task_type=None`` when TF_CONFIG is not set.
+
+    Raises:
+        ClusterConfigError: for malformed JSON, an unknown task type or an
+            index outside the addresses listed.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("TF_CONFIG", "")
+    if not text.strip():
+        return TaskSpec()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ClusterConfigError(
+            f"TF_CONFIG is not valid JSON ({error}): {text[:200]!r}."
+        ) from None
+    cluster = {
+        str(k): [str(a) for a in v]
+        for k, v in (config.get("cluster") or {}).items()
+    }
+    unknown = sorted(set(cluster) - set(PS_TASK_TYPES))
+    if unknown:
+        raise ClusterConfigError(
+            f"TF_CONFIG's cluster lists task types {unknown}; a "
+            f"parameter-server cluster has {list(PS_TASK_TYPES)}."
+        )
+    task = config.get("task") or {}
+    kind = task.get("type")
+    if kind not in PS_TASK_TYPES:
+        raise ClusterConfigError(
+            f"TF_CONFIG task type {kind!r} is not one of "
+            f"{list(PS_TASK_TYPES)}."
+        )
+    try:
+        index = int(task.get("index", 0))
+    except (TypeError, ValueError):
+        raise ClusterConfigError(
+            f"TF_CONFIG task index {task.get('index')!r} is not an integer."
+        ) from None
+    members = cluster.get(kind) or []
+    if kind != "evaluator" and not 0 <= index < len(members):
+        raise ClusterConfigError(
+            f"TF_CONFIG task index {index} is outside the {len(members)} "
+            f"'{kind}' addresses listed."
+        )
+    return TaskSpec(task_type=kind, task_index=index, cluster=cluster)

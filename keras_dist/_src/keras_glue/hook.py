@@ -132,8 +132,12 @@ def attach(model, strategy) -> None:
         )
     strategy.extended.attach(model)
     model.__dict__[STRATEGY_ATTR] = strategy
+    # An engine may run some of these calls itself (ParameterServerStrategy
+    # owns the coordinator loop of `fit`): its `model_methods`.
+    own = getattr(strategy.extended, "model_methods", None)
+    own = own(model) if own is not None else {}
     for name in _WRAPPED_METHODS:
-        bound = getattr(type(model), name).__get__(model)
+        bound = own.get(name) or getattr(type(model), name).__get__(model)
         model.__dict__[name] = _in_scope(bound, strategy, name)
     for name in _WRITE_METHODS:
         bound = getattr(type(model), name, None)

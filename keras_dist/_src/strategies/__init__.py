@@ -3,9 +3,6 @@ aliases."""
 
 from __future__ import annotations
 
-from keras_dist._src.strategies.central_storage import (
-    CentralStorageStrategy,
-)
 from keras_dist._src.strategies.mirrored import MirroredStrategy
 from keras_dist._src.strategies.model_parallel import (
     ModelParallel,
@@ -15,7 +12,9 @@ from keras_dist._src.strategies.multi_worker import (
     MultiWorkerMirroredStrategy,
 )
 from keras_dist._src.strategies.one_device import OneDeviceStrategy
-from keras_dist._src.strategies.tpu import TPUStrategy
+from keras_dist._src.strategies.parameter_server import (
+    ParameterServerStrategy,
+)
 from keras_dist._src.strategy import Strategy
 
 _REGISTRY = {
@@ -24,8 +23,7 @@ _REGISTRY = {
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "model_parallel": ModelParallel,
     "sharded_data_parallel": ShardedDataParallel,
-    "central_storage": CentralStorageStrategy,
-    "tpu": TPUStrategy,
+    "parameter_server": ParameterServerStrategy,
 }
 _ALIASES = {
     "single_device": "one_device",
@@ -39,7 +37,7 @@ _ALIASES = {
     "fsdp": "sharded_data_parallel",
     "zero3": "sharded_data_parallel",
     "sharded": "sharded_data_parallel",
-    "centralstorage": "central_storage",
+    "ps": "parameter_server",
 }
 
 

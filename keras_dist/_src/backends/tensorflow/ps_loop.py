@@ -1,0 +1,396 @@
+"""The chief's `fit`/`evaluate`/`predict` under ParameterServerStrategy.
+
+`fit` schedules Keras's own `train_step` once per step on whichever worker
+is free (`ClusterCoordinator.schedule`) and joins at the end of each epoch;
+batch callbacks are called at that join point (``on_train_batch_begin(0)``
+before the epoch's steps are scheduled, ``on_train_batch_end`` once, with
+the last step's index and the epoch's logs), epoch callbacks as usual.
+`evaluate` and `predict` run on the chief (Keras's `test_step` and
+`predict_step` on the variables held by the ps tasks): exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from keras_dist._src.errors import KerasDistError
+from keras_dist._src.keras_glue import internals as glue
+from keras_dist._src.keras_glue.parameter_server import make_updates_atomic
+
+
+def model_methods(engine, model) -> dict:
+    """`fit`, `evaluate`, `predict` (and refusing `*_on_batch`) of `model`
+    under `engine` (a `ParameterServerEngine`)."""
+    loop = _Loop(engine, model)
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise NotImplementedError(
+                f"`model.{name}` is not available under "
+                "ParameterServerStrategy: use `fit` (which schedules steps "
+                "on the workers), `evaluate` or `predict`."
+            )
+
+        return method
+
+    return {
+        "fit": loop.fit,
+        "evaluate": loop.evaluate,
+        "predict": loop.predict,
+        "train_on_batch": refuse("train_on_batch"),
+        "test_on_batch": refuse("test_on_batch"),
+        "predict_on_batch": refuse("predict_on_batch"),
+    }
+
+
+# -- input -------------------------------------------------------------------
+def _pack(x, y, sample_weight):
+    if y is None and sample_weight is None:
+        return (x,)
+    if sample_weight is None:
+        return (x, y)
+    return (x, y, sample_weight)
+
+
+def _count(data) -> int:
+    return int(np.shape(tree.flatten(data)[0])[0])
+
+
+def _is_dataset_function(x) -> bool:
+    return callable(x) and not isinstance(
+        x, (tf.data.Dataset, keras.utils.PyDataset)
+    )
+
+
+def _call_dataset_function(fn, context=None):
+    import inspect
+
+    try:
+        takes_context = bool(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        takes_context = False
+    if not takes_context:
+        return fn()
+    return fn(context or tf.distribute.InputContext())
+
+
+class _TrainInput:
+    """What each worker reads: a per-worker dataset, its element spec and
+    the steps of an epoch."""
+
+    def __init__(self, x, y, sample_weight, batch_size, shuffle, steps):
+        if isinstance(x, keras.utils.PyDataset):
+            raise NotImplementedError(
+                "A PyDataset cannot feed ParameterServerStrategy workers "
+                "(its Python code runs in the chief only). Pass NumPy "
+                "arrays, a tf.data.Dataset, or a function that builds a "
+                "tf.data.Dataset on each worker."
+            )
+        if isinstance(x, tf.data.Dataset):
+            cardinality = int(x.cardinality())
+            if steps is None:
+                if cardinality < 0:
+                    raise ValueError(
+                        "`fit` under ParameterServerStrategy got a tf.data "
+                        "dataset of "
+                        + (
+                            "infinite"
+                            if cardinality == tf.data.INFINITE_CARDINALITY
+                            else "unknown"
+                        )
+                        + " size: pass `steps_per_epoch` (the steps "
+                        "scheduled per epoch, over all workers)."
+                    )
+                steps = cardinality
+            dataset = (
+                x
+                if cardinality == tf.data.INFINITE_CARDINALITY
+                else (x.repeat())
+            )
+            self.spec = x.element_spec
+            self.source = dataset  # TF serializes it to each worker
+            self.steps = int(steps)
+            self.batch_size = None
+            return
+        if _is_dataset_function(x):
+            if steps is None:
+                raise ValueError(
+                    "`fit` under ParameterServerStrategy got a dataset "
+                    "function: pass `steps_per_epoch` (the steps scheduled "
+                    "per epoch, over all workers), since the size of what "
+                    "each worker builds is not known on the chief."
+                )
+            self.spec = _call_dataset_function(x).element_spec
+            self.source = lambda: _call_dataset_function(x)
+            self.steps = int(steps)
+            self.batch_size = None
+            return
+        data = tree.map_structure(
+            lambda t: None if t is None else np.asarray(t),
+            _pack(x, y, sample_weight),
+        )
+        batch_size = int(batch_size or 32)
+        count = _count(data)
+        self.batch_size = batch_size
+        self.steps = int(steps or max(1, math.ceil(count / batch_size)))
+
+        def dataset_fn():
+            # Workers are not told their index (TF's per-worker datasets):
+            # each reads all the samples, in its own random order with
+            # `shuffle`, else all in the same order.
+            dataset = tf.data.Dataset.from_tensor_slices(data)
+            if shuffle:
+                dataset = dataset.shuffle(count, reshuffle_each_iteration=True)
+            return dataset.repeat().batch(batch_size)
+
+        self.source = dataset_fn
+        self.spec = (
+            tf.data.Dataset.from_tensor_slices(data)
+            .batch(batch_size)
+            .element_spec
+        )
+
+
+def _local_batches(x, y, sample_weight, batch_size, steps):
+    """The chief's own batches (evaluate/predict): a finite iterable."""
+    if isinstance(x, tf.data.Dataset):
+        dataset = x if steps is None else x.take(steps)
+        if steps is None and int(x.cardinality()) < 0:
+            raise ValueError(
+                "evaluate/predict got a tf.data dataset of infinite or "
+                "unknown size: pass `steps`."
+            )
+        return dataset
+    if _is_dataset_function(x):
+        dataset = _call_dataset_function(x)
+        return _local_batches(dataset, None, None, None, steps)
+    if isinstance(x, keras.utils.PyDataset):
+        return (x[i] for i in range(steps or len(x)))
+    data = _pack(x, y, sample_weight)
+    data = tree.map_structure(
+        lambda t: None if t is None else np.asarray(t), data
+    )
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(
+        int(batch_size or 32)
+    )
+    return dataset if steps is None else dataset.take(steps)
+
+
+# -- the loop ----------------------------------------------------------------
+class _Loop:
+    def __init__(self, engine, model):
+        self.engine = engine
+        self.model = model
+        self._train_step = None
+        self._test_step = None
+        self._predict_step = None
+
+    def _atomic(self):
+        model = self.model
+        variables = list(model.variables) + list(model.metrics_variables)
+        if model.optimizer is not None:
+            variables += list(model.optimizer.variables)
+        make_updates_atomic(variables)
+
+    def _build(self, spec):
+        model = self.model
+        if not (model.built and model.optimizer.built and model.compiled):
+            with self.engine.tf_strategy.scope():
+                glue.symbolic_build(model, spec)
+        from keras_dist._src.backends.tensorflow.parameter_server import (
+            check_not_sharded,
+        )
+
+        check_not_sharded(model)
+        self._atomic()
+
+    def _schedule_fn(self):
+        if self._train_step is None:
+            model = self.model
+            strategy = self.engine.tf_strategy
+
+            @tf.function
+            def train_step(iterator):
+                data = next(iterator)
+                strategy.run(model.train_step, args=(data,))
+
+            self._train_step = train_step
+        return self._train_step
+
+    def _logs(self):
+        logs = self.model.get_metrics_result()
+        return {k: float(np.asarray(v)) for k, v in logs.items()}
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_split=0.0,
+        validation_data=None,
+        shuffle=True,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+    ):
+        """Keras's `fit`, steps scheduled on the workers (module doc)."""
+        if class_weight is not None or validation_split:
+            raise NotImplementedError(
+                "`class_weight` and `validation_split` are not supported "
+                "under ParameterServerStrategy: weigh samples with "
+                "`sample_weight`, and pass `validation_data`."
+            )
+        model = self.model
+        source = _TrainInput(
+            x, y, sample_weight, batch_size, shuffle, steps_per_epoch
+        )
+        self._build(source.spec)
+        coordinator = self.engine.coordinator
+        per_worker = coordinator.create_per_worker_dataset(source.source)
+        iterator = iter(per_worker)
+        step_fn = self._schedule_fn()
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = keras.callbacks.CallbackList(
+                callbacks,
+                add_history=True,
+                add_progbar=verbose != 0,
+                verbose=1 if verbose == "auto" else verbose,
+                epochs=epochs,
+                steps=source.steps,
+                model=model,
+            )
+        model.stop_training = False
+        callbacks.on_train_begin()
+        logs = {}
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            callbacks.on_epoch_begin(epoch)
+            callbacks.on_train_batch_begin(0)
+            for _ in range(source.steps):
+                coordinator.schedule(step_fn, args=(iterator,))
+            _join(coordinator)
+            logs = self._logs()
+            callbacks.on_train_batch_end(source.steps - 1, logs)
+            epoch_logs = dict(logs)
+            if validation_data is not None and (
+                (epoch + 1) % validation_freq == 0
+            ):
+                vx, vy, vw = (
+                    keras.utils.unpack_x_y_sample_weight(validation_data)
+                    if isinstance(validation_data, (tuple, list))
+                    else (
+                        validation_data,
+                        None,
+                        None,
+                    )
+                )
+                val = self.evaluate(
+                    vx,
+                    vy,
+                    batch_size=validation_batch_size or batch_size,
+                    sample_weight=vw,
+                    steps=validation_steps,
+                    verbose=0,
+                    return_dict=True,
+                )
+                epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            logs = epoch_logs
+            if model.stop_training:
+                break
+        callbacks.on_train_end(logs)
+        return model.history
+
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict=False,
+        **kwargs,
+    ):
+        """Keras's `evaluate`, run on the chief (exact)."""
+        model = self.model
+        batches = _local_batches(x, y, sample_weight, batch_size, steps)
+        if self._test_step is None:
+            self._test_step = tf.function(model.test_step)
+        first = True
+        model.reset_metrics()
+        for batch in batches:
+            if first:
+                self._build(tree.map_structure(_spec_of, batch))
+                first = False
+            self._test_step(batch)
+        if first:
+            raise ValueError("`evaluate` got an input with no batch.")
+        logs = self._logs()
+        if return_dict:
+            return logs
+        names = [m.name for m in model.metrics]
+        values = [logs[n] for n in names if n in logs]
+        values += [v for k, v in logs.items() if k not in names]
+        return values[0] if len(values) == 1 else values
+
+    def predict(
+        self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
+    ):
+        """Keras's `predict`, run on the chief."""
+        model = self.model
+        batches = _local_batches(x, None, None, batch_size, steps)
+        if self._predict_step is None:
+            self._predict_step = tf.function(model.predict_step)
+        outputs = []
+        for batch in batches:
+            if not isinstance(batch, tuple):
+                batch = (batch,)
+            outputs.append(
+                tree.map_structure(np.asarray, self._predict_step(batch))
+            )
+        if not outputs:
+            raise ValueError("`predict` got an input with no batch.")
+        return tree.map_structure_up_to(
+            outputs[0], lambda *parts: np.concatenate(parts), *outputs
+        )
+
+
+def _spec_of(t):
+    if t is None:
+        return None
+    t = tf.convert_to_tensor(t)
+    return tf.TensorSpec([None] + list(t.shape)[1:], t.dtype)
+
+
+def _join(coordinator):
+    """`ClusterCoordinator.join`, a lost ps task said plainly."""
+    try:
+        coordinator.join()
+    except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+        raise KerasDistError(
+            "ParameterServerStrategy lost a ps task (or the chief's "
+            "connection to it): the variables it held are gone, so training "
+            "cannot continue. Restart the job; with "
+            "keras.callbacks.BackupAndRestore it resumes from the last "
+            f"epoch saved. TensorFlow's error: {error}"
+        ) from error
+    except tf.errors.OutOfRangeError as error:
+        raise ValueError(
+            "A worker's dataset ran out before the epoch's steps were "
+            "scheduled: make the dataset (function) repeat, e.g. "
+            "`dataset.repeat()`, and set `steps_per_epoch`."
+        ) from error

@@ -1,0 +1,198 @@
+"""Scenarios of tests/test_parameter_server.py, each run in a process of
+its own (a process that joins a parameter-server cluster stays connected to
+it): prints one JSON line of measured figures."""
+
+import json
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "tensorflow"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_dist  # noqa: E402
+from keras_dist._src.cluster import parameter_server as ps  # noqa: E402
+
+N, BATCH = 64, 16
+
+
+def data():
+    rng = np.random.RandomState(0)
+    x = rng.rand(N, 4).astype("float32")
+    y = (x @ np.arange(1, 5, dtype="float32")[:, None]).astype("float32")
+    return x, y
+
+
+def build():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"]
+    )
+    return model
+
+
+def max_rel(a, b):
+    return max(
+        float(np.max(np.abs(u - v)) / max(np.max(np.abs(v)), 1e-12))
+        for u, v in zip(a, b)
+    )
+
+
+def one_worker():
+    x, y = data()
+    strategy = keras_dist.ParameterServerStrategy(ps.in_process_cluster(1, 2))
+    with strategy.scope():
+        model = build()
+    reference = build()
+    reference.set_weights(model.get_weights())
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0
+    )
+    expected = reference.fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0
+    )
+    return {
+        "weights_rel": max_rel(model.get_weights(), reference.get_weights()),
+        "loss": history.history["loss"],
+        "loss_expected": expected.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "evaluate": model.evaluate(x, y, batch_size=10, verbose=0),
+        "evaluate_expected": reference.evaluate(x, y, batch_size=10, verbose=0),
+        "predict_rel": max_rel(
+            [model.predict(x, batch_size=10)],
+            [reference.predict(x, batch_size=10, verbose=0)],
+        ),
+    }
+
+
+def two_workers():
+    import tensorflow as tf
+
+    x, y = data()
+    cluster = ps.in_process_cluster(2, 2)
+    strategy = keras_dist.ParameterServerStrategy(cluster)
+    out = {"repr": repr(strategy)}
+    with strategy.scope():
+        model = build()
+    steps = 100
+    model.fit(
+        x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0
+    )
+    counts = {
+        v.path: float(v.numpy())
+        for v in model.metrics_variables
+        if v.path.endswith("count")
+    }
+    out.update(
+        iterations=int(model.optimizer.iterations.numpy()),
+        scheduled=steps,
+        counts=counts,
+        samples=steps * BATCH,
+    )
+
+    # A dataset function and a tf.data dataset, two epochs each.
+    def dataset_fn():
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+
+    model.fit(dataset_fn, epochs=2, steps_per_epoch=10, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = model.fit(dataset, epochs=2, verbose=0)
+    out["iterations_after"] = int(model.optimizer.iterations.numpy())
+    out["history_epochs"] = len(history.history["loss"])
+    errors = {}
+    for name, call in {
+        "endless": lambda: model.fit(dataset.repeat(), epochs=1, verbose=0),
+        "function": lambda: model.fit(dataset_fn, epochs=1, verbose=0),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as error:
+            errors[name] = str(error)
+    out["errors"] = errors
+    # evaluate/predict on the chief equal plain Keras on the same weights.
+    reference = build()
+    reference.set_weights(model.get_weights())
+    out["evaluate"] = model.evaluate(x, y, batch_size=10, verbose=0)
+    out["evaluate_expected"] = reference.evaluate(
+        x, y, batch_size=10, verbose=0
+    )
+    partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner
+    sharded = keras_dist.ParameterServerStrategy(
+        cluster, variable_partitioner=partitioner(2)
+    )
+    with sharded.scope():
+        embed = keras.Sequential(
+            [
+                keras.Input((3,), dtype="int32"),
+                keras.layers.Embedding(64, 4),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+        try:
+            embed.compile(optimizer="sgd", loss="mse")
+            out["embedding_error"] = None
+        except keras_dist.KerasDistError as error:
+            out["embedding_error"] = str(error)
+    return out
+
+
+def killed_worker():
+    import signal
+    import threading
+    import time
+
+    x, y = data()
+    with ps.local_cluster(num_workers=2, num_ps=1) as (cluster, tasks):
+        strategy = keras_dist.ParameterServerStrategy(cluster)
+        with strategy.scope():
+            model = build()
+        victim = tasks[("worker", 1)]
+        model.fit(
+            x, y, batch_size=BATCH, epochs=1, steps_per_epoch=20, verbose=0
+        )  # traced, both workers up
+
+        class Kill(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 1:
+                    threading.Timer(
+                        0.5, lambda: victim.send_signal(signal.SIGKILL)
+                    ).start()
+
+        start = time.monotonic()
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=3,
+            steps_per_epoch=200,
+            verbose=0,
+            callbacks=[Kill()],
+        )
+        victim.wait()
+        return {
+            "epochs": len(history.history["loss"]),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "scheduled": 20 + 3 * 200,
+            "victim_returncode": victim.returncode,
+            "seconds": time.monotonic() - start,
+        }
+
+
+if __name__ == "__main__":
+    result = {
+        "one_worker": one_worker,
+        "two_workers": two_workers,
+        "killed_worker": killed_worker,
+    }[sys.argv[1]]()
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # in-process servers never stop on their own

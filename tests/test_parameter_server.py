@@ -1,0 +1,158 @@
+"""ParameterServerStrategy: a real cluster of tf.distribute servers on
+loopback ports, the chief in a process of its own (tests/ps_script.py; a
+process that joins a cluster stays connected to it). TensorFlow only; the
+other backends raise a clear error."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import keras_dist
+from keras_dist._src.cluster.environments import (
+    ClusterConfigError,
+    read_task_spec,
+)
+
+BACKEND = keras.backend.backend()
+
+SCRIPT = pathlib.Path(__file__).with_name("ps_script.py")
+tf_only = pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="ParameterServerStrategy is TF only"
+)
+
+
+def _run(scenario, timeout=240):
+    env = dict(os.environ)
+    env.pop("KERAS_DIST_CPU_DEVICES", None)
+    env.pop("TF_CONFIG", None)
+    env["KERAS_BACKEND"] = "tensorflow"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), scenario],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [
+        line for line in result.stdout.splitlines() if line.startswith("RESULT")
+    ]
+    assert result.returncode == 0 and lines, (
+        f"{scenario} failed ({result.returncode}):\n"
+        f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return _run("two_workers")
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_one_worker_equals_one_device():
+    out = _run("one_worker")
+    assert out["weights_rel"] <= 1e-5
+    assert out["loss"] == pytest.approx(out["loss_expected"], rel=1e-5)
+    assert out["iterations"] == 12  # 3 epochs of 64 samples in batches of 16
+    assert out["evaluate"] == pytest.approx(out["evaluate_expected"], 1e-6)
+    assert out["predict_rel"] <= 1e-6
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_two_workers_counters_and_metrics_exact(two_workers):
+    # Keras's read-then-write assign_add lost updates here (78 of 100).
+    assert two_workers["iterations"] == two_workers["scheduled"] == 100
+    assert two_workers["counts"] == {
+        "loss/count": 1600.0,
+        "mean_absolute_error/count": 1600.0,
+    }
+    # + a dataset function (2 epochs of 10 steps) + a finite tf.data
+    # dataset (2 epochs of its 4 batches).
+    assert two_workers["iterations_after"] == 100 + 20 + 8
+    assert two_workers["history_epochs"] == 2
+    assert two_workers["repr"] == "ParameterServerStrategy(workers=2, ps=2)"
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_two_workers_evaluate_exact_and_errors(two_workers):
+    assert two_workers["evaluate"] == pytest.approx(
+        two_workers["evaluate_expected"], rel=1e-6
+    )
+    errors = two_workers["errors"]
+    assert "steps_per_epoch" in errors["endless"]
+    assert "steps_per_epoch" in errors["function"]
+    assert "variable_partitioner" in two_workers["embedding_error"]
+    assert "embedding" in two_workers["embedding_error"]
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_killed_worker_is_tolerated():
+    out = _run("killed_worker", timeout=420)
+    assert out["victim_returncode"] == -9
+    assert out["epochs"] == 3
+    # TF retries the closures the dead worker held on the other one.
+    assert out["iterations"] >= out["scheduled"]
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="the error of JAX/torch")
+def test_other_backends_raise_a_clear_error():
+    with pytest.raises(keras_dist.UnsupportedBackendError) as info:
+        keras_dist.ParameterServerStrategy({"worker": ["a:1"], "ps": ["b:1"]})
+    message = str(info.value)
+    assert "KERAS_BACKEND=tensorflow" in message
+    assert "ModelParallel" in message
+
+
+@tf_only
+def test_no_cluster_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ClusterConfigError, match="TF_CONFIG is not set"):
+        keras_dist.ParameterServerStrategy()
+    with pytest.raises(ClusterConfigError, match="'worker' and 'ps'"):
+        keras_dist.ParameterServerStrategy({"chief": ["127.0.0.1:1"]})
+
+
+def test_task_spec_reads_every_task_type():
+    cluster = {
+        "chief": ["h:1"],
+        "worker": ["h:2", "h:3"],
+        "ps": ["h:4"],
+    }
+    for kind, index, address in (
+        ("chief", 0, "h:1"),
+        ("worker", 1, "h:3"),
+        ("ps", 0, "h:4"),
+        ("evaluator", 0, None),
+    ):
+        config = {"cluster": cluster, "task": {"type": kind, "index": index}}
+        task = read_task_spec({"TF_CONFIG": json.dumps(config)})
+        assert (task.task_type, task.task_index) == (kind, index)
+        assert task.address == address
+    assert read_task_spec({}).task_type is None
+    bad = {"cluster": cluster, "task": {"type": "ps", "index": 3}}
+    with pytest.raises(ClusterConfigError, match="outside the 1 'ps'"):
+        read_task_spec({"TF_CONFIG": json.dumps(bad)})
+    bad = {"cluster": cluster, "task": {"type": "boss", "index": 0}}
+    with pytest.raises(ClusterConfigError, match="'boss'"):
+        read_task_spec({"TF_CONFIG": json.dumps(bad)})
+
+
+def test_serve_returns_on_chief_and_evaluator():
+    from keras_dist._src.cluster.environments import TaskSpec
+
+    assert keras_dist.serve(TaskSpec("chief", 0, {"chief": ["h:1"]})) is None
+    assert keras_dist.serve(TaskSpec("evaluator", 0, {})) is None
+    assert keras_dist.serve(TaskSpec()) is None
