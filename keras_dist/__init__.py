@@ -18,6 +18,7 @@ from keras_dist._src.errors import (
     KerasDistError,
     LayoutError,
     StrategyMixingError,
+    TPUNotFoundError,
     UnsupportedBackendError,
     VariablesOutsideScopeError,
 )
@@ -27,12 +28,14 @@ from keras_dist._src.keras_glue import (
 from keras_dist._src.options import InputOptions, ShardPolicy
 from keras_dist._src.plan import DeviceMesh, LayoutMap
 from keras_dist._src.strategies import (
+    CentralStorageStrategy,
     MirroredStrategy,
     ModelParallel,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ParameterServerStrategy,
     ShardedDataParallel,
+    TPUStrategy,
     available_strategies,
     strategy_from_name,
 )
@@ -42,6 +45,9 @@ from keras_dist._src.values import PerReplica, ReduceOp
 __version__ = "0.2.0"
 
 __all__ = [
+    "CentralStorageStrategy",
+    "TPUStrategy",
+    "TPUNotFoundError",
     "ClusterConfigError",
     "ClusterEnvironment",
     "DeviceMesh",

@@ -24,3 +24,8 @@ class VariablesOutsideScopeError(KerasDistError, ValueError):
 class LayoutError(KerasDistError, ValueError):
     """A mesh, layout map or layout that cannot hold (unknown axis, a
     dimension its axes do not divide, a key that matches no variable)."""
+
+
+class TPUNotFoundError(KerasDistError):
+    """No TPU could be reached (none attached, a wrong name or address, no
+    TPU runtime installed): the one error `TPUStrategy` raises for it."""

@@ -415,6 +415,42 @@ def bytes_per_device(plan: Plan, shape, layout, itemsize: int) -> int:
     return math.prod(shape) * itemsize // parts
 
 
+# -- CentralStorage and TPU plans ---------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CentralStoragePlan(Plan):
+    """Every variable held once, off the compute devices (the parameter
+    device on TensorFlow, host memory on JAX); each replica computes on its
+    own device with the global batch split (CentralStorageStrategy).
+
+    Attributes:
+        parameter_device: where the variables live; None for the backend's
+            choice (the CPU, or the one compute device).
+    """
+
+    parameter_device: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TPUPlan(Plan):
+    """Data parallel (or laid out by `layout_map`) over a TPU mesh built
+    from the chips' physical topology (TPUStrategy).
+
+    Attributes:
+        tpu: the TPU to reach (a name or ``grpc://`` address for
+            TensorFlow's `TPUClusterResolver`); None for this VM's.
+        mesh_shape: the size of each mesh axis; None for one data axis
+            over every chip.
+        axis_names: one name per mesh axis; the first carries the batch
+            and spans the slices (DCN) when there are several.
+        layout_map: variable layouts over the mesh (None: replicated).
+    """
+
+    tpu: str | None = None
+    mesh_shape: tuple | None = None
+    axis_names: tuple | None = None
+    layout_map: LayoutMap | None = None
+
+
 # -- parameter servers -------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ParameterServerPlan(Plan):

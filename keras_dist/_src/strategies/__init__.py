@@ -3,6 +3,9 @@ aliases."""
 
 from __future__ import annotations
 
+from keras_dist._src.strategies.central_storage import (
+    CentralStorageStrategy,
+)
 from keras_dist._src.strategies.mirrored import MirroredStrategy
 from keras_dist._src.strategies.model_parallel import (
     ModelParallel,
@@ -15,6 +18,7 @@ from keras_dist._src.strategies.one_device import OneDeviceStrategy
 from keras_dist._src.strategies.parameter_server import (
     ParameterServerStrategy,
 )
+from keras_dist._src.strategies.tpu import TPUStrategy
 from keras_dist._src.strategy import Strategy
 
 _REGISTRY = {
@@ -23,6 +27,8 @@ _REGISTRY = {
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "model_parallel": ModelParallel,
     "sharded_data_parallel": ShardedDataParallel,
+    "central_storage": CentralStorageStrategy,
+    "tpu": TPUStrategy,
     "parameter_server": ParameterServerStrategy,
 }
 _ALIASES = {
@@ -37,6 +43,7 @@ _ALIASES = {
     "fsdp": "sharded_data_parallel",
     "zero3": "sharded_data_parallel",
     "sharded": "sharded_data_parallel",
+    "centralstorage": "central_storage",
     "ps": "parameter_server",
 }
 

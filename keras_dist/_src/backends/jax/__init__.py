@@ -7,7 +7,12 @@ functions and holds `ENGINES`, the registry of plan type -> engine.
 
 from keras_dist._src import plan as _plan
 from keras_dist._src.backends import dispatch as _dispatch
-from keras_dist._src.backends.jax import data_parallel, sharded
+from keras_dist._src.backends.jax import (
+    central_storage,
+    data_parallel,
+    sharded,
+    tpu,
+)
 from keras_dist._src.backends.jax.devices import (
     default_devices,
     host_array,
@@ -23,6 +28,8 @@ ENGINES = {
     _plan.ReplicatedPlan: data_parallel.create_engine,
     _plan.LayoutPlan: sharded.create_engine,
     _plan.ShardedPlan: sharded.create_engine,
+    _plan.CentralStoragePlan: central_storage.create_engine,
+    _plan.TPUPlan: tpu.create_engine,
     _plan.ParameterServerPlan: unsupported_engine,
 }
 

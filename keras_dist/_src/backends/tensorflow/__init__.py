@@ -8,9 +8,11 @@ functions and holds `ENGINES`, the registry of plan type -> engine.
 from keras_dist._src import plan as _plan
 from keras_dist._src.backends import dispatch as _dispatch
 from keras_dist._src.backends.tensorflow import (
+    central_storage,
     data_parallel,
     parameter_server,
     sharded,
+    tpu,
 )
 from keras_dist._src.backends.tensorflow.devices import (
     default_devices,
@@ -26,6 +28,8 @@ ENGINES = {
     _plan.ReplicatedPlan: data_parallel.create_engine,
     _plan.LayoutPlan: sharded.create_engine,
     _plan.ShardedPlan: sharded.create_engine,
+    _plan.CentralStoragePlan: central_storage.create_engine,
+    _plan.TPUPlan: tpu.create_engine,
     _plan.ParameterServerPlan: parameter_server.create_engine,
 }
 

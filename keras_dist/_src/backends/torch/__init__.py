@@ -8,7 +8,12 @@ functions and holds `ENGINES`, the registry of plan type -> engine.
 from keras_dist._src import plan as _plan
 from keras_dist._src.backends import dispatch as _dispatch
 from keras_dist._src.backends.parameter_server import unsupported_engine
-from keras_dist._src.backends.torch import data_parallel, sharded
+from keras_dist._src.backends.torch import (
+    central_storage,
+    data_parallel,
+    sharded,
+    tpu,
+)
 from keras_dist._src.backends.torch.devices import (
     default_devices,
     host_array,
@@ -24,6 +29,8 @@ ENGINES = {
     _plan.LayoutPlan: sharded.create_engine,
     _plan.ShardedPlan: sharded.create_engine,
     _plan.ParameterServerPlan: unsupported_engine,
+    _plan.CentralStoragePlan: central_storage.create_engine,
+    _plan.TPUPlan: tpu.create_engine,
 }
 
 

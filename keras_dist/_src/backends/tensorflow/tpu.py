@@ -1,0 +1,135 @@
+"""TensorFlow on TPUs: tf.distribute's TPUStrategy, reached once.
+
+`connect` resolves the TPU (`TPUClusterResolver`: this VM's with
+``tpu=None`` or "local", else a name or ``grpc://`` address), connects to
+its cluster and initializes the TPU system; any failure on the way (no TPU
+here, an unknown name, an unreachable address, a TensorFlow without TPU
+support) becomes one `TPUNotFoundError` that says what was tried. The
+engine runs Keras's own TensorFlow steps under tf.distribute's
+`TPUStrategy` (XLA-compiled per replica; Keras divides each replica's loss
+by the replica count, which equals one device's loss when every global
+batch divides evenly: use ``drop_remainder`` batches or a batch size the
+dataset size divides).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_dist._src.errors import TPUNotFoundError, VariablesOutsideScopeError
+from keras_dist._src.keras_glue import internals as glue
+
+_RESOLVED = {}
+
+
+def connect(tpu=None):
+    """Resolves `tpu`, connects to it and initializes its TPU system (once
+    per address); returns the `TPUClusterResolver`.
+
+    Raises:
+        TPUNotFoundError: for every failure to reach a TPU.
+    """
+    key = tpu or "local"
+    if key in _RESOLVED:
+        return _RESOLVED[key]
+    what = f"TPUClusterResolver(tpu={key!r})"
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=key)
+        if key != "local":
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        if not tf.config.list_logical_devices("TPU"):
+            raise RuntimeError("no TPU devices after initialization")
+    except Exception as error:  # IndexError, ValueError, NotFoundError, ...
+        raise TPUNotFoundError(
+            f"TPUStrategy could not reach a TPU ({what}: "
+            f"{type(error).__name__}: {error}). On a Cloud TPU VM leave "
+            "tpu=None; elsewhere pass the TPU's name or its grpc://host:8470 "
+            "address, and install a TensorFlow with TPU support "
+            "(tensorflow-tpu). Without a TPU, use "
+            "keras_dist.MirroredStrategy(), or KERAS_BACKEND=jax with "
+            "jax[tpu] on a TPU VM."
+        ) from error
+    _RESOLVED[key] = resolver
+    return resolver
+
+
+class TPUEngine:
+    """Keras's own TF steps under tf.distribute's `TPUStrategy`."""
+
+    def __init__(self, resolver, devices):
+        self.devices = tuple(devices)
+        self.tf_strategy = tf.distribute.TPUStrategy(resolver)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """TPU cores taking part in each step."""
+        return self.tf_strategy.num_replicas_in_sync
+
+    def scope(self):
+        """Variables created here are TPU-mirrored."""
+        return self.tf_strategy.scope()
+
+    def call_scope(self):
+        """fit/evaluate/predict run in the strategy's scope."""
+        return self.tf_strategy.scope()
+
+    def prepare_call(self, name, method, args, kwargs):
+        """Arguments pass as they are."""
+        return args, kwargs
+
+    def attach(self, model) -> None:
+        """Checks that `model` was built in this strategy's scope."""
+        if glue.tf_distribute_strategy(model) is not self.tf_strategy:
+            raise VariablesOutsideScopeError(
+                f"Model {model.name!r} was created outside strategy.scope(). "
+                "Create the model inside `with strategy.scope():`."
+            )
+
+    def run(self, fn, args, kwargs):
+        """`TPUStrategy.run`."""
+        return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
+
+    def reduce(self, op, value, axis):
+        """`TPUStrategy.reduce`."""
+        tf_op = tf.distribute.ReduceOp[op.value]
+        return self.tf_strategy.reduce(tf_op, value, axis=axis)
+
+    def gather(self, value, axis):
+        """`TPUStrategy.gather`."""
+        return self.tf_strategy.gather(value, axis=axis)
+
+    def distribute_dataset(self, dataset):
+        """`TPUStrategy.experimental_distribute_dataset`."""
+        return self.tf_strategy.experimental_distribute_dataset(dataset)
+
+    def local_results(self, value):
+        """The per-replica parts of `value`."""
+        return tuple(self.tf_strategy.experimental_local_results(value))
+
+    def placement(self, variable):
+        """Replicated on every core."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
+
+def create_engine(plan, runtime, input_options):
+    """The engine of a `TPUPlan` on TensorFlow.
+
+    Raises:
+        TPUNotFoundError: when no TPU can be reached.
+        UnsupportedBackendError: for a mesh shape or layout map (layouts
+            over a mesh are JAX's).
+    """
+    del runtime, input_options
+    if plan.layout_map is not None or (
+        plan.mesh_shape is not None and len(plan.mesh_shape) > 1
+    ):
+        from keras_dist._src.errors import UnsupportedBackendError
+
+        raise UnsupportedBackendError(
+            "TPUStrategy on TensorFlow is data parallel only (tf.distribute's "
+            "TPUStrategy); a multi-axis mesh_shape or a layout_map needs "
+            "KERAS_BACKEND=jax."
+        )
+    return TPUEngine(connect(plan.tpu), plan.devices)

@@ -1,0 +1,120 @@
+"""CentralStorageStrategy trains exactly like one device.
+
+TensorFlow: tf.distribute's CentralStorageStrategy over 4 simulated CPU
+devices, with BatchNormalization and Dropout (Keras creates their
+non-trainable variables with aggregation "none", which tf.distribute's
+AggregatingVariable refuses to update in a replica) and SUM-aggregated
+metrics. JAX: every variable in host memory (``pinned_host`` on the CPU
+platform) after `fit`. Both against plain Keras on one device from the same
+weights. torch: the clear error.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist
+from tests.utils import (
+    compiled_model,
+    make_data,
+    max_relative_difference,
+)
+
+BACKEND = keras.backend.backend()
+TOLERANCE = 1e-5
+# 90 samples, global batch 16: the last batch of each epoch has 10.
+BATCH, EPOCHS = 16, 2
+
+
+def _train(strategy):
+    x, y, sw = make_data()
+    reference = compiled_model(dropout=0.2)
+    weights = reference.get_weights()
+    model = compiled_model(strategy, dropout=0.2)
+    model.set_weights(weights)
+    logs = []
+    for m in (reference, model):
+        history = m.fit(
+            x,
+            y,
+            sample_weight=sw,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+        ).history
+        evaluated = m.evaluate(x, y, batch_size=BATCH, verbose=0)
+        predicted = m.predict(x, batch_size=BATCH, verbose=0)
+        logs.append((history, evaluated, predicted))
+    return reference, model, logs
+
+
+def _check_parity(reference, model, logs):
+    (h0, e0, p0), (h1, e1, p1) = logs
+    assert int(model.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy()
+    )
+    for key in h0:
+        assert np.allclose(h0[key], h1[key], rtol=TOLERANCE), key
+    assert np.allclose(e0, e1, rtol=TOLERANCE)
+    assert np.max(np.abs(p0 - p1)) < TOLERANCE
+    difference = max_relative_difference(
+        reference.get_weights(), model.get_weights()
+    )
+    assert difference < TOLERANCE, difference
+
+
+@pytest.mark.multi_device
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute's own")
+def test_tensorflow_central_storage_equals_one_device():
+    import tensorflow as tf
+    from tensorflow.python.distribute import ps_values
+
+    strategy = keras_dist.CentralStorageStrategy()
+    assert strategy.num_replicas_in_sync == 4
+    assert strategy.parameter_device == "/cpu:0"
+    reference, model, logs = _train(strategy)
+    _check_parity(reference, model, logs)
+    for variable in model.variables + model.optimizer.variables:
+        value = variable.value
+        assert isinstance(value, ps_values.AggregatingVariable), variable.path
+        assert value.aggregation != tf.VariableAggregation.NONE, variable.path
+        assert value.device.endswith("CPU:0"), (variable.path, value.device)
+
+
+@pytest.mark.multi_device
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX memory kinds")
+def test_jax_central_storage_keeps_state_in_host_memory():
+    import jax
+
+    strategy = keras_dist.CentralStorageStrategy()
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    expected = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+    assert strategy.parameter_device == expected
+    reference, model, logs = _train(strategy)
+    _check_parity(reference, model, logs)
+    state = (
+        model.variables + model.optimizer.variables + model.metrics_variables
+    )
+    found = {(v.path, v.value.sharding.memory_kind) for v in state}
+    assert {kind for _, kind in found} == {expected}, found
+    # Replicated over the 4 compute devices (one copy per device in host
+    # memory; each step computes on the devices).
+    assert len(model.variables[0].value.sharding.device_set) == 4
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's answer")
+def test_torch_central_storage_is_a_clear_error():
+    with pytest.raises(
+        keras_dist.UnsupportedBackendError, match="MirroredStrategy"
+    ):
+        keras_dist.CentralStorageStrategy()
+
+
+def test_central_storage_by_name():
+    if BACKEND == "torch":
+        with pytest.raises(keras_dist.UnsupportedBackendError):
+            keras_dist.strategy_from_name("central_storage")
+        return
+    strategy = keras_dist.strategy_from_name("central-storage")
+    assert isinstance(strategy, keras_dist.CentralStorageStrategy)

@@ -1,0 +1,134 @@
+"""TPUStrategy: topology-aware meshes, and a clear error without a TPU.
+
+No TPU is attached here: the meshes are built from mock TPU devices (the
+attributes `jax.experimental.mesh_utils` reads: platform, id, device_kind,
+coords, core_on_chip, slice_index), and each backend's strategy must raise
+its clear error.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist
+
+BACKEND = keras.backend.backend()
+
+
+@dataclasses.dataclass(frozen=True)
+class MockTPU:
+    """What mesh_utils reads of a TPU v4 chip."""
+
+    id: int
+    coords: tuple
+    slice_index: int = 0
+    process_index: int = 0
+    core_on_chip: int = 0
+    platform: str = "tpu"
+    device_kind: str = "TPU v4"
+
+
+def _slice(first_id, slice_index, shape=(2, 2, 2)):
+    """One slice of chips on a `shape` torus, ids in a scrambled order
+    (so that a reshape of the id order is not the physical order)."""
+    coords = [
+        (x, y, z)
+        for z in range(shape[2])
+        for y in range(shape[1])
+        for x in range(shape[0])
+    ]
+    order = np.random.default_rng(slice_index).permutation(len(coords))
+    return [
+        MockTPU(first_id + int(i), coords[i], slice_index, slice_index)
+        for i in order
+    ]
+
+
+def _adjacent(a, b):
+    return sum(abs(p - q) for p, q in zip(a.coords, b.coords)) == 1
+
+
+jax_only = pytest.mark.skipif(BACKEND != "jax", reason="JAX meshes")
+
+
+@jax_only
+def test_one_slice_mesh_follows_the_torus():
+    from keras_dist._src.backends.jax.tpu import topology_mesh
+
+    devices = _slice(0, 0)
+    mesh = topology_mesh((4, 2), devices)
+    assert mesh.shape == (4, 2)
+    assert sorted(d.id for d in mesh.flat) == list(range(8))
+    # The inner (model) axis pairs physical neighbours; a reshape of the
+    # device list would not.
+    assert all(_adjacent(a, b) for a, b in mesh)
+    naive = np.array(devices, dtype=object).reshape(4, 2)
+    assert not all(_adjacent(a, b) for a, b in naive)
+
+
+@jax_only
+def test_several_slices_put_the_data_axis_over_dcn():
+    from keras_dist._src.backends.jax.tpu import topology_mesh
+
+    devices = _slice(0, 0) + _slice(8, 1)
+    mesh = topology_mesh((4, 4), devices)
+    assert mesh.shape == (4, 4)
+    # Rows 0-1 of the data axis live in slice 0, rows 2-3 in slice 1: only
+    # the data axis crosses DCN; each model-axis row stays in one slice.
+    for row, expected in zip(mesh, (0, 0, 1, 1)):
+        assert {d.slice_index for d in row} == {expected}
+    one_d = topology_mesh((16,), devices)
+    assert [d.slice_index for d in one_d] == [0] * 8 + [1] * 8
+    with pytest.raises(keras_dist.LayoutError, match="multiple of 2"):
+        topology_mesh((1, 16), devices)
+    with pytest.raises(keras_dist.LayoutError, match="needs 8 devices"):
+        topology_mesh((2, 4), devices)
+
+
+@jax_only
+def test_tpu_plan_becomes_a_layout_plan_over_the_torus():
+    from keras_dist._src.backends.jax.tpu import layout_plan
+    from keras_dist._src.plan import LayoutMap, TPUPlan
+
+    devices = _slice(0, 0)
+    user_map = LayoutMap(keras_dist.DeviceMesh((4, 2), ("batch", "model")))
+    user_map["dense/kernel"] = (None, "model")
+    plan = layout_plan(
+        TPUPlan(
+            topology="mirrored",
+            devices=tuple(f"tpu:{i}" for i in range(8)),
+            mesh_shape=(4, 2),
+            layout_map=user_map,
+        ),
+        devices,
+    )
+    assert plan.mesh.axis_names == ("batch", "model")
+    assert plan.batch_axis == "batch"
+    assert plan.variable_layout("dense/kernel", (3, 4)) == (None, "model")
+    ordered = [int(n.split(":")[1]) for n in plan.mesh.devices]
+    grid = np.array(ordered).reshape(4, 2)
+    by_id = {d.id: d for d in devices}
+    assert all(_adjacent(by_id[a], by_id[b]) for a, b in grid)
+
+
+def test_without_a_tpu_the_strategy_says_so():
+    expected = (
+        keras_dist.UnsupportedBackendError
+        if BACKEND == "torch"
+        else keras_dist.TPUNotFoundError
+    )
+    match = {"torch": "KERAS_BACKEND=jax", "jax": "no TPU"}.get(
+        BACKEND, "could not reach a TPU"
+    )
+    with pytest.raises(expected, match=match):
+        keras_dist.TPUStrategy()
+    with pytest.raises(expected):
+        keras_dist.strategy_from_name("tpu")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TPUClusterResolver")
+def test_tensorflow_unreachable_tpu_name_is_the_same_error():
+    with pytest.raises(keras_dist.TPUNotFoundError, match="no-such-tpu"):
+        keras_dist.TPUStrategy(tpu="no-such-tpu")
