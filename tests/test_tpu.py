@@ -132,3 +132,35 @@ def test_without_a_tpu_the_strategy_says_so():
 def test_tensorflow_unreachable_tpu_name_is_the_same_error():
     with pytest.raises(keras_dist.TPUNotFoundError, match="no-such-tpu"):
         keras_dist.TPUStrategy(tpu="no-such-tpu")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TPUClusterResolver")
+def test_tensorflow_silent_tpu_address_times_out_with_the_same_error():
+    # A grpc:// address nothing answers makes TensorFlow wait forever (and
+    # changes its cluster settings): in a process of its own.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = (
+        "import keras_dist\n"
+        "try:\n"
+        f"    keras_dist.TPUStrategy(tpu='grpc://127.0.0.1:{port}')\n"
+        "except keras_dist.TPUNotFoundError as error:\n"
+        "    print('CLEAR', error)\n"
+    )
+    env = dict(os.environ, KERAS_DIST_TPU_TIMEOUT="2")
+    env.pop("KERAS_DIST_CPU_DEVICES", None)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CLEAR" in out.stdout and "no answer within 2 s" in out.stdout

@@ -14,6 +14,9 @@ dataset size divides).
 
 from __future__ import annotations
 
+import os
+import threading
+
 import tensorflow as tf
 
 from keras_dist._src.errors import TPUNotFoundError, VariablesOutsideScopeError
@@ -33,14 +36,31 @@ def connect(tpu=None):
     if key in _RESOLVED:
         return _RESOLVED[key]
     what = f"TPUClusterResolver(tpu={key!r})"
-    try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=key)
-        if key != "local":
-            tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-        if not tf.config.list_logical_devices("TPU"):
-            raise RuntimeError("no TPU devices after initialization")
-    except Exception as error:  # IndexError, ValueError, NotFoundError, ...
+    timeout = _timeout()
+    outcome = {}
+
+    def reach():
+        try:
+            outcome["resolver"] = _reach(key)
+        except BaseException as error:  # IndexError, ValueError, ...
+            outcome["error"] = error
+
+    thread = None
+    if key == "local":  # this VM's TPU: in this thread
+        reach()
+    else:
+        # A remote address that nothing answers makes TensorFlow wait
+        # forever: give up after the timeout.
+        thread = threading.Thread(target=reach, name="keras_dist-tpu")
+        thread.daemon = True
+        thread.start()
+        thread.join(timeout)
+    error = outcome.get("error")
+    if thread is not None and thread.is_alive():
+        error = TimeoutError(
+            f"no answer within {timeout:g} s (KERAS_DIST_TPU_TIMEOUT)"
+        )
+    if error is not None:
         raise TPUNotFoundError(
             f"TPUStrategy could not reach a TPU ({what}: "
             f"{type(error).__name__}: {error}). On a Cloud TPU VM leave "
@@ -50,8 +70,31 @@ def connect(tpu=None):
             "keras_dist.MirroredStrategy(), or KERAS_BACKEND=jax with "
             "jax[tpu] on a TPU VM."
         ) from error
+    resolver = outcome["resolver"]
     _RESOLVED[key] = resolver
     return resolver
+
+
+def _reach(key):
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=key)
+    if key != "local":
+        tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    if not tf.config.list_logical_devices("TPU"):
+        raise RuntimeError("no TPU devices after initialization")
+    return resolver
+
+
+def _timeout() -> float:
+    """Seconds to wait for a TPU (``KERAS_DIST_TPU_TIMEOUT``, 300)."""
+    value = os.environ.get("KERAS_DIST_TPU_TIMEOUT", "300")
+    try:
+        return max(0.1, float(value))
+    except ValueError:
+        raise TPUNotFoundError(
+            f"KERAS_DIST_TPU_TIMEOUT must be a number of seconds; got "
+            f"{value!r}."
+        ) from None
 
 
 class TPUEngine:
