@@ -111,3 +111,22 @@ def test_many_fits_under_cpu_load(tmp_path):
     assert "FITS" in proc.stdout, proc.stdout[-2000:]
     fits = int(proc.stdout.split("FITS")[1].split()[0])
     assert fits >= 2, fits
+
+
+def test_only_cpu_devices_wait_for_each_step():
+    """The per-step wait that keeps XLA's CPU collectives from starving is
+    made on CPU devices only: GPUs and TPUs keep asynchronous dispatch."""
+    from types import SimpleNamespace
+
+    from keras_dist._src.backends.jax.engine import serialize_steps
+
+    def devices(platform):
+        return [SimpleNamespace(platform=platform, id=i) for i in range(4)]
+
+    assert serialize_steps(devices("cpu"))
+    assert not serialize_steps(devices("gpu"))
+    assert not serialize_steps(devices("tpu"))
+    import keras_dist
+
+    strategy = keras_dist.MirroredStrategy()  # the test's 4 CPU devices
+    assert strategy.extended.serialize_steps

@@ -93,9 +93,7 @@ class SPMDEngine:
         # `DataParallel` aborts the same way under load). So on CPU devices
         # each step completes before `fit` goes on; accelerators keep
         # asynchronous dispatch.
-        self.serialize_steps = all(
-            d.platform == "cpu" for d in self.mesh.devices.flat
-        )
+        self.serialize_steps = serialize_steps(self.mesh.devices.flat)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -324,7 +322,10 @@ class _StepFunctions:
                 state = engine.place_state(state, shardings)
             outputs, state = iterator_step(state, self._placed(iterator))
             if engine.serialize_steps:
-                jax.block_until_ready((outputs, state))
+                # One output of the step's executable is ready when all
+                # are: waiting on one leaf costs less than on every leaf.
+                leaves = jax.tree_util.tree_leaves(outputs)
+                jax.block_until_ready(leaves[:1] if leaves else state)
             last_state[0] = state
             return outputs, state
 
@@ -454,6 +455,13 @@ class _StepFunctions:
             step, state, concatenate_outputs=True
         )
         return model.predict_function
+
+
+def serialize_steps(devices) -> bool:
+    """Whether each step must finish before the next is dispatched: only
+    on CPU devices (XLA's CPU collectives can starve under load, see
+    `SPMDEngine`); GPUs and TPUs keep asynchronous dispatch."""
+    return all(d.platform == "cpu" for d in devices)
 
 
 # -- values -------------------------------------------------------------------
