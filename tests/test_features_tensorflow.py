@@ -182,46 +182,73 @@ def test_compute_loss_override_matches_one_device(replicas, n):
     )
 
 
-class CustomTrainStep(keras.Model):
+class WrappingSteps(keras.Model):
+    """Overrides that wrap Keras's own steps (issue 17: these were refused
+    with NotImplementedError)."""
+
     def train_step(self, data):
-        return super().train_step(data)
+        logs = super().train_step(data)
+        return dict(logs, loss_plus_one=logs["loss"] + 1.0)
+
+    def test_step(self, data):
+        logs = super().test_step(data)
+        return dict(logs, twice_mae=logs["mae"] * 2.0)
 
 
-def test_train_step_override_is_refused_before_training():
+class HandWrittenStep(keras.Model):
+    """The Keras guide's train_step, with `compute_loss`, `optimizer.apply`
+    and metrics updated by hand."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize("replicas", [3])
+@pytest.mark.parametrize("cls", [WrappingSteps, HandWrittenStep])
+def test_step_overrides_match_one_device(replicas, cls):
+    # 10 samples, batch 4: parts of 2+1+1, 2+1+1, 1+1+0 on 3 replicas.
     x, y = _data()
 
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((3,))
-        return CustomTrainStep(inputs, keras.layers.Dense(2)(inputs))
+        h = keras.layers.Dense(4, activation="tanh")(inputs)
+        return cls(inputs, keras.layers.Dense(2)(h))
 
-    with _strategy(2).scope():
-        model = build()
-        model.compile(optimizer="sgd", loss="mse")
-    before = model.get_weights()
-    with pytest.raises(NotImplementedError, match="train_step") as error:
-        model.fit(x, y, batch_size=5, verbose=0)
-    # The message says what to do instead.
-    for hint in ("compute_loss", "KERAS_BACKEND=jax or torch", "strategy.run"):
-        assert hint in str(error.value)
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
-
-
-class CustomTestStep(keras.Model):
-    def test_step(self, data):
-        return super().test_step(data)
-
-
-def test_test_step_override_is_refused_before_evaluating():
-    x, y = _data()
-    with _strategy(2).scope():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((3,))
-        model = CustomTestStep(inputs, keras.layers.Dense(2)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(NotImplementedError, match="overrides test_step"):
-        model.evaluate(x, y, batch_size=5, verbose=0)
+    plain, dist = _pair(
+        replicas,
+        build,
+        lambda: {
+            "optimizer": keras.optimizers.SGD(0.1, clipnorm=0.05),
+            "loss": "mse",
+            "metrics": ["mae"],
+        },
+    )
+    h1, h2 = _fit_both(plain, dist, x, y, batch_size=4)
+    difference = max_relative_difference(
+        plain.get_weights(), dist.get_weights()
+    )
+    print(f"{cls.__name__}: weights {difference:.2e}")
+    assert difference < 1e-5
+    _assert_logs_close(h1, h2)
+    one = plain.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+    got = dist.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+    assert one.keys() == got.keys()
+    for key in one:
+        np.testing.assert_allclose(got[key], one[key], rtol=1e-5, err_msg=key)
 
 
 # Item 2: mixed_float16 with BatchNormalization.

@@ -186,6 +186,21 @@ def keras_mask(x):
     return get_keras_mask(x)
 
 
+def set_keras_mask(x, mask) -> None:
+    """Attaches `mask` to tensor `x` as Keras does (its private
+    `_keras_mask`, set with `keras.src.backend.set_keras_mask`)."""
+    from keras.src.backend import set_keras_mask as set_mask
+
+    set_mask(x, mask)
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """Keras's private `BaseOptimizer._trainable_variables`: the variables
+    `optimizer` was built for (what `apply(grads)` without variables
+    updates)."""
+    return list(optimizer._trainable_variables)
+
+
 # -- layers -------------------------------------------------------------------
 def flatten_layers(model, include_self=False):
     """Keras's private `Layer._flatten_layers`: every layer of `model`,

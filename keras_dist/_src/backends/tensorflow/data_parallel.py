@@ -23,7 +23,6 @@ from keras import tree
 
 from keras_dist._src.backends.tensorflow.batch_norm import (
     REPLICA_STATE,
-    expand_like,
     set_batch_norm_sync,
 )
 from keras_dist._src.backends.tensorflow.devices import tf_device_name
@@ -192,41 +191,14 @@ class MirroredEngine(_EngineBase):
         custom_test = cls.test_step is not trainer.test_step
         engine = self
 
-        if custom_train or custom_test:
-            which = "train_step" if custom_train else "test_step"
-            message = (
-                f"Model {model.name!r} overrides {which}, which keras_dist's "
-                "TensorFlow MirroredStrategy cannot run exactly, so it "
-                "refuses to train or evaluate it. keras_dist runs its own "
-                "exact step here (each replica's loss weighted by its share "
-                "of the global batch, gradients summed before the "
-                "optimizer); tf.distribute would run an overridden "
-                f"{which} once per replica, so its loss would be a mean of "
-                "per-replica means, clipping would see per-replica "
-                "gradients, and metrics updated by hand would weigh the "
-                "replicas alike. What to do: override `compute_loss` "
-                "instead (keras_dist calls it exactly, and runs "
-                "`compute_metrics` and any `predict_step` override as "
-                "well), or run this model with the JAX or torch backend "
-                "(KERAS_BACKEND=jax or torch: keras_dist runs overridden "
-                "steps there), or write a custom training loop with "
-                "keras_dist's `strategy.run`."
-            )
-
-            def refuse(force=False):
-                raise NotImplementedError(message)
-
-            if custom_train:
-                model.__dict__["make_train_function"] = refuse
-            if custom_test:
-                model.__dict__["make_test_function"] = refuse
-
-        def make_step_function(attribute, training):
+        def make_step_function(attribute, training, custom):
             def make(force=False):
                 if getattr(model, attribute) is not None and not force:
                     return getattr(model, attribute)
 
                 def step(data):
+                    if custom:  # the model's own train_step or test_step
+                        return _override_step(engine, model, data, training)
                     return _exact_step(engine, model, data, training=training)
 
                 function = _split_single_batches(
@@ -237,8 +209,12 @@ class MirroredEngine(_EngineBase):
 
             return make
 
-        make_train_function = make_step_function("train_function", True)
-        make_test_function = make_step_function("test_function", False)
+        make_train_function = make_step_function(
+            "train_function", True, custom_train
+        )
+        make_test_function = make_step_function(
+            "test_function", False, custom_test
+        )
 
         def make_predict_function(force=False):
             if model.predict_function is not None and not force:
@@ -265,12 +241,22 @@ class MirroredEngine(_EngineBase):
             if iterator is not None:
                 data_batch = glue.epoch_iterator_element_spec(iterator)
             with engine.tf_strategy.scope():
-                glue.symbolic_build(model, data_batch)
+                if not (custom_train or custom_test):
+                    glue.symbolic_build(model, data_batch)
+                    return
+                # An overridden step's batch need not be the model's input
+                # (a GAN's real samples and noise): build what Keras builds
+                # if the batch fits, else the optimizer (its variables may
+                # not be created inside the replicated step).
+                try:
+                    glue.symbolic_build(model, data_batch)
+                except (ValueError, TypeError):
+                    optimizer = model.optimizer
+                    if optimizer is not None and not optimizer.built:
+                        optimizer.build(model.trainable_variables)
 
-        if not custom_train:
-            model.__dict__["make_train_function"] = make_train_function
-        if not custom_test:
-            model.__dict__["make_test_function"] = make_test_function
+        model.__dict__["make_train_function"] = make_train_function
+        model.__dict__["make_test_function"] = make_test_function
         model.__dict__["make_predict_function"] = make_predict_function
         model.predict_function = None
         glue.replace_maybe_symbolic_build(model, maybe_symbolic_build)
@@ -455,9 +441,32 @@ def create_engine(plan, runtime, input_options):
     return MirroredEngine(devices, sync_batch_norm)
 
 
-def _exact_step(engine, model, data, training):
-    """One replica's share of an exact global-batch step."""
+def _override_step(engine, model, data, training):
+    """One replica's run of the model's own train_step or test_step on
+    its real samples, with one device's semantics (`overrides`)."""
+    from keras_dist._src.backends.tensorflow import overrides
+
     context = tf.distribute.get_replica_context()
+    data, local_count, global_count, padded_input = _replica_part(context, data)
+    if padded_input:  # an empty part: no row (its share is 0)
+        data = overrides.real_rows(data, local_count)
+    REPLICA_STATE.valid = None
+    REPLICA_STATE.dropout = None
+    if training and model.__dict__.get("_keras_dist_dropout"):
+        REPLICA_STATE.dropout = _part_position(context, local_count) + (
+            tf.cast(global_count, "int32"),
+        )
+    try:
+        return overrides.run_override_step(
+            model, data, local_count, global_count, training
+        )
+    finally:
+        REPLICA_STATE.dropout = None
+
+
+def _replica_part(context, data):
+    """(this replica's batch, its sample count, the global batch's sample
+    count, whether the batch came padded through keras_dist's input)."""
     padded_input = isinstance(data, dict) and BATCH_KEY in data
     rebatched = padded_input and COUNT_PER_SAMPLE_KEY in data
     if rebatched:  # tf.distribute's rebatching; padding samples carry 0
@@ -469,28 +478,31 @@ def _exact_step(engine, model, data, training):
         global_count = tf.cast(data[GLOBAL_COUNT_KEY], "float32")
         local_count = data[LOCAL_COUNT_KEY]
         data = data[BATCH_KEY]
+    if not padded_input:  # train_on_batch: not through our dataset
+        first = next(i for i in tree.flatten(data) if i is not None)
+        local_count = tf.shape(first)[0]
+        global_count = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(local_count, "float32")
+        )
+    return data, local_count, global_count, padded_input
+
+
+def _exact_step(engine, model, data, training):
+    """One replica's share of an exact global-batch step."""
+    context = tf.distribute.get_replica_context()
+    data, local_count, global_count, padded_input = _replica_part(context, data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x = _check_input_shapes(model, x)
     first = next(i for i in tree.flatten(x) if i is not None)
     rows = tf.shape(first)[0]
-    if not padded_input:  # train_on_batch: not through our dataset
-        local_count = rows
-        global_count = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.cast(rows, "float32")
-        )
     valid = None
     if padded_input:
         # An empty part arrives as one zero sample (see
-        # distribute_global_batches): weight 0 in the loss, left out of
-        # the metrics and of the BatchNormalization statistics.
+        # distribute_global_batches): left out of the BatchNormalization
+        # statistics here, of the loss (its share of the global batch is
+        # 0) and the metrics in `_loss_step`. Not made a sample weight: a
+        # 1-D weight does not broadcast against a per-timestep mask.
         valid = tf.sequence_mask(local_count, rows, dtype="float32")
-        if sample_weight is None:
-            sample_weight = valid
-        else:
-            sample_weight = tree.map_structure(
-                lambda w: None if w is None else w * expand_like(valid, w),
-                sample_weight,
-            )
     REPLICA_STATE.valid = valid
     REPLICA_STATE.dropout = None
     if training and model.__dict__.get("_keras_dist_dropout"):
@@ -503,7 +515,7 @@ def _exact_step(engine, model, data, training):
         y_pred = model(x, **kwargs)
     REPLICA_STATE.dropout = None
     if user_losses.found:
-        warn_user_losses(model)
+        warn_user_losses(model, user_losses.layers)
     return _loss_step(
         model,
         tape,
@@ -584,14 +596,14 @@ def _loss_step(model, tape, training, data, local_count, global_count):
     if glue.uses_keras_compute_loss(model):
         _check_mean_reductions(model)
     with tape:  # the slicing too: the loss's gradient flows through it
-        x, y, sample_weight, y_pred = tree.map_structure(
-            real, (x, y, sample_weight, y_pred)
-        )
+        x, y, sample_weight = tree.map_structure(real, (x, y, sample_weight))
+        y_pred = _slice_keeping_masks(y_pred, rows)
         weight = tf.math.divide_no_nan(
             tf.cast(local_count, "float32"), global_count
         )
         scaling = _no_replica_loss_scaling(model, weight)
-        with scaling, _own_losses(model, y_pred):
+        masked = _masked_means(context, y_pred, local_count, weight)
+        with scaling, masked, _own_losses(model, y_pred):
             loss = model.compute_loss(
                 x=x,
                 y=y,
@@ -617,11 +629,101 @@ def _loss_step(model, tape, training, data, local_count, global_count):
                 "The model does not have any trainable weights.", stacklevel=2
             )
     # Metrics see the real samples only (unweighted metrics ignore weights).
-    x, y, sample_weight, y_pred = tree.map_structure(
+    x, y, sample_weight = tree.map_structure(
         lambda t: None if t is None else t[:local_count],
-        (x, y, sample_weight, y_pred),
+        (x, y, sample_weight),
     )
+    y_pred = _slice_keeping_masks(y_pred, local_count)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _slice_keeping_masks(structure, rows):
+    """The first `rows` rows of each tensor, with its Keras mask (from
+    `Embedding(mask_zero=True)`, `Masking`, `compute_mask`) sliced alike:
+    a slice is a new tensor, which Keras's losses and metrics would see
+    unmasked."""
+
+    def cut(t):
+        if t is None:
+            return None
+        mask = glue.keras_mask(t)
+        part = t[:rows]
+        if mask is not None:
+            glue.set_keras_mask(part, mask[:rows])
+        return part
+
+    return tree.map_structure(cut, structure)
+
+
+class _masked_means:
+    """One device's masked mean for Keras's losses over masked outputs.
+
+    With a mask on the prediction, Keras's mean losses divide by the
+    count of its unmasked entries: on a replica, its own count. Weighted
+    by the replica's share of the rows, the parts would add up to one
+    device's loss only if every part had as many unmasked entries per
+    row. Here each loss over a masked output of the model is rescaled so
+    that, times the share, it is the part's weighted sum over the
+    global count of unmasked entries (one all-reduce of the counts, made
+    before the loss, since no collective may run while Keras's loss
+    functions are replaced). Exact on any split; other losses as before.
+    """
+
+    _REDUCTIONS = ("sum_over_batch_size", "mean")
+
+    def __init__(self, context, y_pred, local_count, share):
+        self._share = share
+        self._masks = []
+        for leaf in tree.flatten(y_pred):
+            mask = None if leaf is None else glue.keras_mask(leaf)
+            if mask is not None:
+                self._masks.append(mask)
+        self._totals = []
+        if self._masks:
+            counts = tf.stack(
+                [
+                    tf.reduce_sum(tf.cast(m[:local_count], "float32"))
+                    for m in self._masks
+                ]
+            )
+            totals = context.all_reduce(tf.distribute.ReduceOp.SUM, counts)
+            self._totals = tf.unstack(totals, num=len(self._masks))
+
+    def __enter__(self):
+        self._original = glue.loss_reduction()
+        if not self._masks:
+            return self
+        original, masks, totals = self._original, self._masks, self._totals
+        share = self._share
+
+        def reduce_weighted_values(
+            values,
+            sample_weight=None,
+            mask=None,
+            reduction="sum_over_batch_size",
+            dtype=None,
+        ):
+            loss = original(
+                values,
+                sample_weight=sample_weight,
+                mask=mask,
+                reduction=reduction,
+                dtype=dtype,
+            )
+            index = next((i for i, m in enumerate(masks) if m is mask), None)
+            if index is None or reduction not in self._REDUCTIONS:
+                return loss
+            # Keras's value: the part's weighted sum / its own count.
+            own = tf.reduce_sum(tf.cast(mask, "float32"))
+            factor = tf.math.divide_no_nan(own, totals[index] * share)
+            return loss * tf.cast(factor, loss.dtype)
+
+        glue.set_loss_reduction(reduce_weighted_values)
+        return self
+
+    def __exit__(self, *exc):
+        glue.set_loss_reduction(self._original)
+        return False
 
 
 class _no_replica_loss_scaling:
@@ -753,7 +855,7 @@ def _check_mean_reductions(model):
             )
 
 
-def apply_global_gradients(context, optimizer, gradients, weights):
+def apply_global_gradients(context, optimizer, gradients, weights, apply=None):
     """Applies the all-reduced `gradients` on every replica, as one device.
 
     Keras's TF optimizer clips (``clipnorm``, ``global_clipnorm``,
@@ -765,11 +867,13 @@ def apply_global_gradients(context, optimizer, gradients, weights):
     accumulation, weight decay, update, EMA, constraints) on its own copy
     of each mirrored variable, with no further collective: the copies
     receive identical updates and stay equal, as tf.distribute's own update
-    keeps them.
+    keeps them. `apply` is the optimizer's `apply` to call (default: the
+    optimizer's own).
     """
+    apply = apply or optimizer.apply
     present = [i for i, g in enumerate(gradients) if g is not None]
     if not present:  # Keras's optimizer raises its own error
-        optimizer.apply(gradients, weights)
+        apply(gradients, weights)
         return
     reduced = context.all_reduce(
         tf.distribute.ReduceOp.SUM, [gradients[i] for i in present]
@@ -778,7 +882,7 @@ def apply_global_gradients(context, optimizer, gradients, weights):
     for i, g in zip(present, reduced):
         gradients[i] = g
     with _local_optimizer(context, optimizer, weights):
-        optimizer.apply(gradients, weights)
+        apply(gradients, weights)
 
 
 class _local_optimizer:
