@@ -61,6 +61,7 @@ def _check_parity(reference, model, logs):
     difference = max_relative_difference(
         reference.get_weights(), model.get_weights()
     )
+    print(f"CentralStorage ({BACKEND}) max rel diff {difference:.2e}")
     assert difference < TOLERANCE, difference
 
 

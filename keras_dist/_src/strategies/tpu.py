@@ -71,7 +71,7 @@ class TPUStrategy(Strategy):
             from keras_dist._src.backends.jax import tpu as jax_tpu
 
             environment = jax_tpu.join_tpu_job()
-            devices = [f"tpu:{d.id}" for d in jax_tpu.tpu_devices()]
+            devices = [f"{d.platform}:{d.id}" for d in jax_tpu.tpu_devices()]
             if environment is not None:
                 self.topology = "multi_worker"
                 devices = None  # every chip of every host, once joined
