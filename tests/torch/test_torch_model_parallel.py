@@ -120,6 +120,15 @@ except keras_dist.LayoutError as error:
     out["error"] = str(error)
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
+# Last: a strategy that fails to start leaves the job.
+try:
+    keras_dist.ShardedDataParallel(
+        input_options=keras_dist.InputOptions(shard_policy="file"))
+    message = "no error"
+except keras_dist.UnsupportedBackendError as error:
+    message = str(error)
+with open(f"policy{rank}.txt", "w") as f:
+    f.write(message)
 """
 )
 
@@ -222,6 +231,11 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     }
     assert total["sdp"] < 0.6 * total["mirrored"], total
     assert total["mp"] < 0.6 * total["mirrored"], total
+
+    # Every rank reads the whole input: FILE sharding is refused.
+    for rank in (0, 1):
+        message = (tmp_path / f"policy{rank}.txt").read_text()
+        assert "ShardPolicy.FILE is not available" in message, message
 
     # A key that matches no variable.
     assert "'dense_9/kernel'" in logs["error"], logs["error"]

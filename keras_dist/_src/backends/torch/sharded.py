@@ -54,10 +54,10 @@ from keras_dist._src.backends.torch.devices import torch_device
 from keras_dist._src.backends.torch.inputs import distribute_dataset
 from keras_dist._src.backends.torch.runtime import TorchRuntime
 from keras_dist._src.devices import normalize_device
-from keras_dist._src.errors import LayoutError
+from keras_dist._src.errors import LayoutError, UnsupportedBackendError
 from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.keras_glue import torch_variables
-from keras_dist._src.options import InputOptions
+from keras_dist._src.options import InputOptions, ShardPolicy
 from keras_dist._src.values import local_results
 
 #: Keras's convolution layers (their kernels stay whole on torch).
@@ -162,6 +162,14 @@ class DTensorEngine:
         self.plan = plan
         self.mesh = mesh
         self.input_options = input_options or InputOptions()
+        policy = self.input_options.shard_policy
+        if policy in (ShardPolicy.FILE, ShardPolicy.OFF):
+            raise UnsupportedBackendError(
+                f"{policy} is not available with layouts over a mesh on "
+                "torch: every rank reads the whole input and the batch "
+                "axis splits each global batch (ShardPolicy.DATA). Use "
+                "InputOptions(shard_policy=ShardPolicy.DATA) or AUTO."
+            )
         self.devices = tuple(normalize_device(d) for d in plan.devices)
         if self.devices[0].startswith("cpu"):
             torch_devices.claim_cpu_devices(len(self.devices))
