@@ -5,7 +5,7 @@ and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 """
 
 from keras_dist._src import quiet as _quiet  # noqa: F401  # isort: skip
-from keras_dist import callbacks, checkpoint
+from keras_dist import callbacks, checkpoint, layers
 from keras_dist._src.api import _apply_env as _apply_env
 from keras_dist._src.api import list_devices, simulate_cpu_devices
 from keras_dist._src.cluster.environments import (
@@ -73,6 +73,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "get_strategy",
+    "layers",
     "has_strategy",
     "list_devices",
     "serve",

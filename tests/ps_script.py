@@ -46,6 +46,12 @@ def max_rel(a, b):
     )
 
 
+def ps_device(variable):
+    from keras_dist._src.keras_glue.internals import variable_value
+
+    return variable_value(variable).device.split("/device")[0]
+
+
 def one_worker():
     x, y = data()
     strategy = keras_dist.ParameterServerStrategy(ps.in_process_cluster(1, 2))
@@ -125,6 +131,45 @@ def two_workers():
     out["evaluate_expected"] = reference.evaluate(
         x, y, batch_size=10, verbose=0
     )
+    # ShardedEmbedding: one variable per ps task, sparse gradients.
+    with strategy.scope():
+        embed = keras.Sequential(
+            [
+                keras.Input((3,), dtype="int32"),
+                keras_dist.layers.ShardedEmbedding(10, 4, name="table"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+        embed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    table = embed.get_layer("table")
+    ids = np.random.RandomState(1).randint(0, 7, size=(64, 3)).astype("int32")
+    before = [np.array(s.numpy()) for s in table.trainable_weights]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(embed(ids[:8]) ** 2)
+    grads = tape.gradient(loss, table.trainable_weights)
+    embed.fit(
+        ids,
+        ids[:, :1].astype("float32"),
+        batch_size=8,
+        epochs=1,
+        steps_per_epoch=10,
+        verbose=0,
+    )
+    after = [np.array(s.numpy()) for s in table.trainable_weights]
+    out["table"] = {
+        "shards": [tuple(s.shape) for s in table.trainable_weights],
+        "devices": [ps_device(s) for s in table.trainable_weights],
+        "gradients": [type(g).__name__ for g in grads],
+        # rows 7..9 are never looked up: they stay as initialized
+        "unused_rows_same": bool(np.array_equal(after[1][-1:], before[1][-1:])),
+        "used_rows_moved": bool(not np.array_equal(after[0], before[0])),
+        "iterations": int(embed.optimizer.iterations.numpy()),
+        "lookup_rel": max_rel(
+            [embed.layers[0](ids[:4]).numpy()],
+            [np.concatenate(after)[ids[:4]]],
+        ),
+    }
     partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner
     sharded = keras_dist.ParameterServerStrategy(
         cluster, variable_partitioner=partitioner(2)

@@ -94,6 +94,35 @@ def test_two_workers_evaluate_exact_and_errors(two_workers):
     assert "steps_per_epoch" in errors["function"]
     assert "variable_partitioner" in two_workers["embedding_error"]
     assert "embedding" in two_workers["embedding_error"]
+    assert "ShardedEmbedding" in two_workers["embedding_error"]
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_sharded_embedding_rows_on_each_ps(two_workers):
+    table = two_workers["table"]
+    assert table["shards"] == [[5, 4], [5, 4]]
+    assert sorted(table["devices"]) == [
+        "/job:ps/replica:0/task:0",
+        "/job:ps/replica:0/task:1",
+    ]
+    assert table["gradients"] == ["IndexedSlices", "IndexedSlices"]
+    assert table["used_rows_moved"] and table["unused_rows_same"]
+    assert table["iterations"] == 10
+    assert table["lookup_rel"] <= 1e-6
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="ModelParallel path")
+def test_sharded_embedding_is_an_embedding_elsewhere():
+    layer = keras_dist.layers.ShardedEmbedding(8, 4, name="table")
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), layer])
+    assert isinstance(layer, keras.layers.Embedding)
+    assert [v.path for v in model.weights] == ["sequential/table/embeddings"]
+    mesh = keras_dist.DeviceMesh((1, 2), ("batch", "model"))
+    layout_map = keras_dist.LayoutMap(mesh)
+    layout_map[".*embeddings"] = ("model", None)
+    assert layout_map[model.weights[0].path] == ("model", None)
 
 
 @tf_only

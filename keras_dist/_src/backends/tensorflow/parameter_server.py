@@ -167,9 +167,10 @@ def check_not_sharded(model) -> None:
         "variable_partitioner=None (variables are then placed whole, "
         "round-robin over the ps tasks), or a partitioner that leaves these "
         "variables whole (e.g. MinSizePartitioner with a larger "
-        "min_shard_bytes). Sharded embedding tables are not supported "
-        "yet; on JAX and torch, keras_dist.ModelParallel row-shards them "
-        "(layout_map['.*embeddings'] = ('model', None))."
+        "min_shard_bytes). For a large embedding table use "
+        "keras_dist.layers.ShardedEmbedding (same arguments as Embedding, "
+        "no partitioner needed): its rows are split over the ps tasks and "
+        "each lookup gathers only the rows it uses."
     )
 
 
