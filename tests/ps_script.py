@@ -224,13 +224,26 @@ def killed_worker():
             callbacks=[Kill()],
         )
         victim.wait()
-        return {
+        out = {
             "epochs": len(history.history["loss"]),
             "iterations": int(model.optimizer.iterations.numpy()),
             "scheduled": 20 + 3 * 200,
             "victim_returncode": victim.returncode,
             "seconds": time.monotonic() - start,
         }
+        # A lost ps task ends fit with keras_dist's clear error.
+        lost = tasks[("ps", 0)]
+        lost.send_signal(signal.SIGKILL)
+        lost.wait()
+        try:
+            model.fit(
+                x, y, batch_size=BATCH, epochs=1, steps_per_epoch=50, verbose=0
+            )
+            ps_error = None
+        except keras_dist.KerasDistError as error:
+            ps_error = str(error)
+        out["ps_error"] = ps_error
+        return out
 
 
 if __name__ == "__main__":

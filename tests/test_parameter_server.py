@@ -134,6 +134,8 @@ def test_killed_worker_is_tolerated():
     assert out["epochs"] == 3
     # TF retries the closures the dead worker held on the other one.
     assert out["iterations"] >= out["scheduled"]
+    # Then a ps task is killed: fit ends with keras_dist's clear error.
+    assert "lost a ps task" in out["ps_error"]
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="the error of JAX/torch")

@@ -11,6 +11,7 @@ the last step's index and the epoch's logs), epoch callbacks as usual.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import keras
@@ -181,6 +182,26 @@ def _local_batches(x, y, sample_weight, batch_size, steps):
     return dataset if steps is None else dataset.take(steps)
 
 
+def _lost_ps_is_clear(method):
+    """A lost ps task (TensorFlow's UnavailableError, from any call that
+    reaches the variables) becomes one clear `KerasDistError`."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+            raise KerasDistError(
+                "ParameterServerStrategy lost a ps task (or the chief's "
+                "connection to it): the variables it held are gone, so "
+                "training cannot continue. Restart every task of the job "
+                "and resume from your last checkpoint. TensorFlow's "
+                f"error: {str(error).splitlines()[0]}"
+            ) from error
+
+    return wrapper
+
+
 # -- the loop ----------------------------------------------------------------
 class _Loop:
     def __init__(self, engine, model):
@@ -226,6 +247,7 @@ class _Loop:
         logs = self.model.get_metrics_result()
         return {k: float(np.asarray(v)) for k, v in logs.items()}
 
+    @_lost_ps_is_clear
     def fit(
         self,
         x=None,
@@ -313,6 +335,7 @@ class _Loop:
         callbacks.on_train_end(logs)
         return model.history
 
+    @_lost_ps_is_clear
     def evaluate(
         self,
         x=None,
@@ -347,6 +370,7 @@ class _Loop:
         values += [v for k, v in logs.items() if k not in names]
         return values[0] if len(values) == 1 else values
 
+    @_lost_ps_is_clear
     def predict(
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
     ):
@@ -377,17 +401,9 @@ def _spec_of(t):
 
 
 def _join(coordinator):
-    """`ClusterCoordinator.join`, a lost ps task said plainly."""
+    """`ClusterCoordinator.join`, its errors said plainly."""
     try:
         coordinator.join()
-    except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
-        raise KerasDistError(
-            "ParameterServerStrategy lost a ps task (or the chief's "
-            "connection to it): the variables it held are gone, so training "
-            "cannot continue. Restart the job; with "
-            "keras.callbacks.BackupAndRestore it resumes from the last "
-            f"epoch saved. TensorFlow's error: {error}"
-        ) from error
     except tf.errors.OutOfRangeError as error:
         raise ValueError(
             "A worker's dataset ran out before the epoch's steps were "
