@@ -113,6 +113,15 @@ def two_workers():
     history = model.fit(dataset, epochs=2, verbose=0)
     out["iterations_after"] = int(model.optimizer.iterations.numpy())
     out["history_epochs"] = len(history.history["loss"])
+    # steps_per_execution: 4 steps per closure, 10 steps (4 + 4 + 2).
+    with strategy.scope():
+        chunked = build()
+        chunked.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    chunked.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=10, verbose=0)
+    out["chunked"] = {
+        "iterations": int(chunked.optimizer.iterations.numpy()),
+        "count": float(chunked.metrics_variables[1].numpy()),
+    }
     errors = {}
     for name, call in {
         "endless": lambda: model.fit(dataset.repeat(), epochs=1, verbose=0),

@@ -1,8 +1,9 @@
 """The chief's `fit`/`evaluate`/`predict` under ParameterServerStrategy.
 
-`fit` schedules Keras's own `train_step` once per step on whichever worker
-is free (`ClusterCoordinator.schedule`) and joins at the end of each epoch;
-batch callbacks are called at that join point (``on_train_batch_begin(0)``
+`fit` schedules Keras's own `train_step` on whichever worker is free
+(`ClusterCoordinator.schedule`; `steps_per_execution` steps per closure)
+and joins at the end of each epoch; batch callbacks are called at that
+join point (``on_train_batch_begin(0)``
 before the epoch's steps are scheduled, ``on_train_batch_end`` once, with
 the last step's index and the epoch's logs), epoch callbacks as usual.
 `evaluate` and `predict` run on the chief (Keras's `test_step` and
@@ -236,9 +237,13 @@ class _Loop:
             strategy = self.engine.tf_strategy
 
             @tf.function
-            def train_step(iterator):
-                data = next(iterator)
-                strategy.run(model.train_step, args=(data,))
+            def train_step(iterator, steps):
+                # `steps` of Keras's own train_step in one closure (the
+                # model's `steps_per_execution`; the last closure of an
+                # epoch may run fewer).
+                for _ in tf.range(steps):
+                    data = next(iterator)
+                    strategy.run(model.train_step, args=(data,))
 
             self._train_step = train_step
         return self._train_step
@@ -300,8 +305,12 @@ class _Loop:
             model.reset_metrics()
             callbacks.on_epoch_begin(epoch)
             callbacks.on_train_batch_begin(0)
-            for _ in range(source.steps):
-                coordinator.schedule(step_fn, args=(iterator,))
+            per_closure = max(1, int(model.steps_per_execution or 1))
+            for first in range(0, source.steps, per_closure):
+                steps = min(per_closure, source.steps - first)
+                coordinator.schedule(
+                    step_fn, args=(iterator, tf.constant(steps, "int32"))
+                )
             _join(coordinator)
             logs = self._logs()
             callbacks.on_train_batch_end(source.steps - 1, logs)
