@@ -113,6 +113,29 @@ def two_workers():
     history = model.fit(dataset, epochs=2, verbose=0)
     out["iterations_after"] = int(model.optimizer.iterations.numpy())
     out["history_epochs"] = len(history.history["loss"])
+
+    # A train_step override runs as written (here: counting its calls in
+    # a variable of its own, exact too).
+    class Counting(keras.Sequential):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls = self.add_weight(
+                shape=(), initializer="zeros", trainable=False, name="calls"
+            )
+
+        def train_step(self, data):
+            self.calls.assign_add(1.0)
+            return super().train_step(data)
+
+    with strategy.scope():
+        counting = Counting(
+            [keras.Input((4,)), keras.layers.Dense(1)], name="counting"
+        )
+        counting.compile(optimizer="sgd", loss="mse")
+    counting.fit(
+        x, y, batch_size=BATCH, epochs=1, steps_per_epoch=40, verbose=0
+    )
+    out["override_calls"] = float(counting.calls.numpy())
     # steps_per_execution: 4 steps per closure, 10 steps (4 + 4 + 2).
     with strategy.scope():
         chunked = build()

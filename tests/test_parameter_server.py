@@ -79,6 +79,8 @@ def test_two_workers_counters_and_metrics_exact(two_workers):
     # dataset (2 epochs of its 4 batches).
     assert two_workers["iterations_after"] == 100 + 20 + 8
     assert two_workers["history_epochs"] == 2
+    # A train_step override ran once per scheduled step, none lost.
+    assert two_workers["override_calls"] == 40.0
     # steps_per_execution=4: closures of 4, 4 and 2 steps.
     assert two_workers["chunked"] == {"iterations": 10, "count": 160.0}
     assert two_workers["repr"] == "ParameterServerStrategy(workers=2, ps=2)"
