@@ -67,6 +67,13 @@ with strategy.scope():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
+callbacks = []
+if args.out:  # written by the chief only, on every backend and strategy
+    callbacks.append(
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(args.out, "epoch.weights.h5"), save_weights_only=True
+        )
+    )
 history = model.fit(
     x,
     y,
@@ -74,11 +81,14 @@ history = model.fit(
     epochs=args.epochs,
     shuffle=False,
     verbose=2,  # only the chief prints
+    callbacks=callbacks,
 )
 loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
 # Every worker reads the weights: a variable sharded over workers is
 # gathered from all of them (a collective).
 weights = model.get_weights()
+if args.out:  # every worker calls save: the chief writes the file
+    model.save_weights(os.path.join(args.out, "final.weights.h5"))
 if strategy.is_chief:
     print(
         f"workers={strategy.num_workers} "

@@ -147,6 +147,17 @@ def attach(model, strategy) -> None:
             )
 
 
+def reads_collectively(strategy) -> bool:
+    """Whether reading the variables of `strategy`'s models needs every
+    process: a job of several processes whose plan splits variables
+    across them (ModelParallel, ShardedDataParallel)."""
+    from keras_dist._src.plan import ReplicatedPlan
+
+    return strategy.runtime.world_size > 1 and not isinstance(
+        strategy.plan, ReplicatedPlan
+    )
+
+
 def _chief_writes(method, strategy, name):
     """Wraps a file-writing method so that every process may call it.
 
@@ -157,8 +168,32 @@ def _chief_writes(method, strategy, name):
     failed. Inside such a call (a callback: some run on the chief only,
     e.g. `ModelCheckpoint` on torch) no collective is made, since the other
     processes may not be calling: the chief writes and the others skip.
+
+    Where variables are split across processes, reading them is a
+    collective: every process then runs the same save (the callbacks that
+    save run on every process too), the chief into the file and the others
+    into a temporary directory that is removed at once, so that every
+    process makes the same reads in the same order.
     """
+    import inspect
+    import os
+    import shutil
+    import tempfile
+
     from keras_dist._src.errors import KerasDistError
+
+    def elsewhere(args, kwargs):
+        """Calls `method` with its file path moved to a temporary dir."""
+        bound = inspect.signature(method).bind(*args, **kwargs)
+        path = os.fspath(bound.arguments["filepath"])
+        directory = tempfile.mkdtemp(prefix="keras_dist_discard_")
+        try:
+            bound.arguments["filepath"] = os.path.join(
+                directory, os.path.basename(path.rstrip("/")) or "file"
+            )
+            method(*bound.args, **bound.kwargs)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
@@ -167,16 +202,26 @@ def _chief_writes(method, strategy, name):
             return method(*args, **kwargs)
         from keras_dist._src.context import current_call
 
+        collective = reads_collectively(strategy)
         if current_call() is not None:
-            return method(*args, **kwargs) if runtime.is_chief else None
+            if runtime.is_chief:
+                return method(*args, **kwargs)
+            if collective:
+                elsewhere(args, kwargs)
+            return None
         result, error = None, None
-        if runtime.is_chief:
-            try:
+        try:
+            if runtime.is_chief:
                 result = method(*args, **kwargs)
-            except Exception as caught:  # noqa: BLE001 - re-raised below.
-                error = caught
+            elif collective:
+                elsewhere(args, kwargs)
+        except Exception as caught:  # noqa: BLE001 - re-raised below.
+            error = caught
         failure = runtime.broadcast(
-            "" if error is None else f"{type(error).__name__}: {error}", 0
+            ""
+            if error is None or not runtime.is_chief
+            else f"{type(error).__name__}: {error}",
+            0,
         )
         if error is not None:
             raise error
@@ -202,7 +247,11 @@ def _in_scope(method, strategy, name):
             # After the engine's own look at the caller's arguments (which
             # must be the same on every process).
             args, kwargs = gate_call_arguments(
-                strategy.is_chief, method, args, kwargs
+                strategy.is_chief,
+                method,
+                args,
+                kwargs,
+                saving_is_collective=reads_collectively(strategy),
             )
             try:
                 return method(*args, **kwargs)
