@@ -754,7 +754,15 @@ def _gan(ctx):
 @row("steps_per_execution_uneven")
 def _uneven_steps_per_execution(ctx):
     # 40 samples, batch 6: 7 steps an epoch (the last of 4), run as 4 + 3.
-    return _standard(ctx, data=_data(40), steps_per_execution=4)
+    # Dropout: the second epoch draws the masks one device draws (a call
+    # past the input's end used to advance the random generator).
+    def build():
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, activation="tanh")(inputs)
+        h = keras.layers.Dropout(0.3)(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    return _standard(ctx, build, data=_data(40), steps_per_execution=4)
 
 
 @row("on_batch_methods")

@@ -318,6 +318,12 @@ def can_convert_arrays(arrays) -> bool:
 
 
 # -- global state -------------------------------------------------------------
+def layer_seed_generators(layer) -> list:
+    """Keras's private `Layer._seed_generators`: the `SeedGenerator`s
+    `layer` tracks (Dropout's, random augmentation's)."""
+    return list(getattr(layer, "_seed_generators", None) or [])
+
+
 def global_seed_generator():
     """Keras's global `SeedGenerator` (private `global_state` attribute
     ``global_seed_generator``), or None if none was made yet."""

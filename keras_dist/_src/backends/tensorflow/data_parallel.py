@@ -382,16 +382,40 @@ def _make_function(model, step):
         ):  # train_on_batch and test_on_batch: one batch
             return single(iterator)
         outputs = None
-        for _ in range(executions):
+        for index in range(executions):
+            # A call past the input's end still runs the step's ops that
+            # do not wait for data: the random generators' advance (the
+            # epochs after a shorter last execution drew other Dropout
+            # masks than one device). Their states are put back then.
+            saved = _seed_states(model) if index else None
             try:
                 outputs = single(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 if outputs is None:
                     raise
+                for variable, value in saved or ():
+                    variable.assign(value)
                 break
         return outputs
 
     return function
+
+
+def _seed_states(model):
+    """(variable, value) of the state of every random generator a step of
+    `model` may advance: its layers' and Keras's global one."""
+    generators = []
+    for layer in glue.flatten_layers(model, include_self=True):
+        generators.extend(glue.layer_seed_generators(layer))
+    generators.append(glue.global_seed_generator())
+    seen, states = set(), []
+    for generator in generators:
+        state = getattr(generator, "state", None)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        states.append((state, tf.identity(glue.variable_value(state))))
+    return states
 
 
 _strategies_created = 0
