@@ -387,7 +387,9 @@ def train(case):
         return model.get_weights(), history.history, {}
     build, loss, metrics, (a, b, w) = CASES[case]
     model = build()
-    model.compile(keras.optimizers.SGD(0.5), loss, metrics=metrics)
+    # Weighted metrics read the sample weights Keras's masked loss scaled.
+    model.compile(keras.optimizers.SGD(0.5), loss, metrics=metrics,
+                  weighted_metrics=["accuracy"] if w is not None else None)
     history = model.fit(a, b, sample_weight=w, batch_size=7, epochs=2,
                         verbose=0)
     logs = model.evaluate(a, b, sample_weight=w, batch_size=7, verbose=0,

@@ -285,21 +285,32 @@ def global_loss_denominators(engine, n_local, n_global, counts=None):
         reduction="sum_over_batch_size",
         dtype=None,
     ):
-        loss = original(
-            values,
-            sample_weight=sample_weight,
-            mask=mask,
-            reduction=reduction,
-            dtype=dtype,
-        )
-        if tuple(np.shape(values)) in ((), (0,)) or not isinstance(
-            loss, torch.Tensor
-        ):
-            return loss  # Keras returns such values unreduced
+        def plain():
+            return original(
+                values,
+                sample_weight=sample_weight,
+                mask=mask,
+                reduction=reduction,
+                dtype=dtype,
+            )
+
+        if tuple(np.shape(values)) in ((), (0,)):
+            return plain()  # Keras returns such values unreduced
         if reduction == "sum":
-            return loss * scale
+            return plain() * scale
         if mask is None or reduction not in ("mean", "sum_over_batch_size"):
-            return loss
+            return plain()
+        if counts is not None and id(mask) not in counts:
+            _warn_unmatched_mask()
+            return plain()
+        # Keras multiplies a float tensor of sample weights in place by the
+        # normalised mask (`apply_mask`), and weighted metrics then read it:
+        # Keras gets a copy, the caller's tensor what one device leaves.
+        given = sample_weight
+        if isinstance(given, torch.Tensor):
+            sample_weight = given.clone()
+        version = getattr(sample_weight, "_version", None)
+        loss = plain()
         with torch.no_grad():
             valid = torch.as_tensor(mask).detach().to(torch.float64).sum()
             if counts is None:
@@ -307,13 +318,13 @@ def global_loss_denominators(engine, n_local, n_global, counts=None):
                 total = total.to(engine.device)
                 dist.all_reduce(total, group=engine.aux_group)
             else:
-                total = counts.get(id(mask))
-                if total is None:
-                    _warn_unmatched_mask()
-                    return loss
+                total = counts[id(mask)]
             factor = torch.where(
                 total > 0, valid.to(total.device) * scale / total, 0.0
             )
+            if version is not None and sample_weight._version != version:
+                # Normalised with this shard's count: the global batch's.
+                given.copy_(sample_weight * factor.to(sample_weight.dtype))
         return loss * factor.to(loss.device, loss.dtype)
 
     glue.set_loss_reduction(reduce_weighted_values)
