@@ -158,6 +158,13 @@ def test_no_cluster_is_a_clear_error(monkeypatch):
         keras_dist.ParameterServerStrategy()
     with pytest.raises(ClusterConfigError, match="'worker' and 'ps'"):
         keras_dist.ParameterServerStrategy({"chief": ["127.0.0.1:1"]})
+    evaluator = {
+        "cluster": {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]},
+        "task": {"type": "evaluator", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(evaluator))
+    with pytest.raises(ClusterConfigError, match="'evaluator' task"):
+        keras_dist.ParameterServerStrategy()
 
 
 def test_task_spec_reads_every_task_type():

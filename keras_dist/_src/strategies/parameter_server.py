@@ -61,6 +61,14 @@ class ParameterServerStrategy(Strategy):
         task = _task_from(cluster_resolver)
         if task.task_type in ("worker", "ps"):
             serve(task)  # blocks: this task serves the chief until killed
+        if task.task_type == "evaluator":
+            raise ClusterConfigError(
+                "This is TF_CONFIG's 'evaluator' task, which is not part of "
+                "the parameter-server cluster: do not create a "
+                "ParameterServerStrategy here. Build the model without a "
+                "strategy and evaluate the checkpoints the chief writes "
+                "(e.g. with keras.callbacks.ModelCheckpoint on the chief)."
+            )
         cluster = task.cluster
         if not cluster.get("ps") or not cluster.get("worker"):
             raise ClusterConfigError(
