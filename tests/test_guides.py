@@ -43,6 +43,33 @@ def test_distributed_training_guide_runs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="one backend runs the guide"
+)
+def test_model_parallel_guide_runs(tmp_path):
+    text = (ROOT / "guides" / "model_parallel.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    script = tmp_path / "guide.py"
+    script.write_text("\n".join(blocks))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")
+    }
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(None, 'model')" in out.stdout  # describe's table
+    assert "sharded: [" in out.stdout and "dense" in out.stdout
+
+
+@pytest.mark.slow
 def test_main_example_trains(tmp_path):
     """The README's example trains on every backend (4 devices)."""
     env = {
