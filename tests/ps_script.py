@@ -278,11 +278,61 @@ def killed_worker():
         return out
 
 
+def same_script():
+    """Worker and ps tasks started by hand with TF_CONFIG, running the
+    chief's own script: `ParameterServerStrategy()` serves there."""
+    import subprocess
+
+    x, y = data()
+    cluster = {
+        "chief": [f"127.0.0.1:{ps.free_port()}"],
+        "worker": [f"127.0.0.1:{ps.free_port()}"],
+        "ps": [f"127.0.0.1:{ps.free_port()}"],
+    }
+    code = "import keras_dist; keras_dist.ParameterServerStrategy()"
+    tasks = []
+    try:
+        for kind in ("ps", "worker"):
+            config = {"cluster": cluster, "task": {"type": kind, "index": 0}}
+            env = dict(os.environ, TF_CONFIG=json.dumps(config))
+            tasks.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+        ready = []
+        for task in tasks:
+            for line in task.stdout:
+                if line.startswith(ps.READY_LINE):
+                    ready.append(line.strip())
+                    break
+        strategy = keras_dist.ParameterServerStrategy(cluster)
+        with strategy.scope():
+            model = build()
+        model.fit(
+            x, y, batch_size=BATCH, epochs=1, steps_per_epoch=8, verbose=0
+        )
+        return {
+            "ready": ready,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "alive": [task.poll() is None for task in tasks],
+        }
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+
+
 if __name__ == "__main__":
     result = {
         "one_worker": one_worker,
         "two_workers": two_workers,
         "killed_worker": killed_worker,
+        "same_script": same_script,
     }[sys.argv[1]]()
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # in-process servers never stop on their own

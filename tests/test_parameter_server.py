@@ -132,6 +132,19 @@ def test_sharded_embedding_is_an_embedding_elsewhere():
 @tf_only
 @pytest.mark.slow
 @pytest.mark.multi_process
+def test_same_script_serves_on_worker_and_ps_tasks():
+    out = _run("same_script")
+    assert [line.split(" (")[1].split(" at")[0] for line in out["ready"]] == [
+        "ps 0",
+        "worker 0",
+    ]
+    assert out["iterations"] == 8
+    assert out["alive"] == [True, True]  # still serving after fit
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
 def test_killed_worker_is_tolerated():
     out = _run("killed_worker", timeout=420)
     assert out["victim_returncode"] == -9
