@@ -44,13 +44,7 @@ BF16_TOLERANCE = 2e-2
 F16_TOLERANCE = 3e-3
 
 # (row, backend) -> why it fails today (issue #8).
-XFAIL: dict[tuple[str, str], str] = {
-    ("masking_timestep_losses", "torch"): (
-        "issue 17: on torch a weighted metric over masked timesteps "
-        "(accuracy) logs 9.4e-2 (2 replicas) and 5.8e-2 (3) apart from one "
-        "device"
-    ),
-}
+XFAIL: dict[tuple[str, str], str] = {}
 # (row, backend) -> why the row does not apply.
 SKIP = {
     ("steps_per_execution", "torch"): (
