@@ -441,8 +441,7 @@ def read_task_spec(environ: Mapping[str, str] | None = None) -> TaskSpec:
     kind = task.get("type")
     if kind not in PS_TASK_TYPES:
         raise ClusterConfigError(
-            f"TF_CONFIG task type {kind!r} is not one of "
-            f"{list(PS_TASK_TYPES)}."
+            f"TF_CONFIG task type {kind!r} is not one of {list(PS_TASK_TYPES)}."
         )
     try:
         index = int(task.get("index", 0))
