@@ -46,3 +46,19 @@ def default_strategy():
 def set_default_strategy(strategy) -> None:
     """Remembers the default strategy of this thread."""
     _state.default = strategy
+
+
+_default_factory = None
+
+
+def set_default_factory(factory) -> None:
+    """Registers what `get_strategy` builds outside every scope (the
+    strategies package registers `OneDeviceStrategy`), so that the front
+    end needs no import of the concrete strategies."""
+    global _default_factory
+    _default_factory = factory
+
+
+def default_factory():
+    """The registered factory of the default strategy."""
+    return _default_factory

@@ -309,9 +309,7 @@ def get_strategy() -> Strategy:
         return strategy
     default = context.default_strategy()
     if default is None:
-        from keras_dist._src.strategies import OneDeviceStrategy
-
-        default = OneDeviceStrategy()
+        default = context.default_factory()()
         context.set_default_strategy(default)
     return default
 

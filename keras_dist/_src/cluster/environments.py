@@ -456,3 +456,24 @@ def read_task_spec(environ: Mapping[str, str] | None = None) -> TaskSpec:
             f"'{kind}' addresses listed."
         )
     return TaskSpec(task_type=kind, task_index=index, cluster=cluster)
+
+
+def environment_from(resolver) -> ClusterEnvironment:
+    """A `ClusterEnvironment` from ours or a tf.distribute resolver."""
+    if resolver is None:
+        return detect_environment()
+    if isinstance(resolver, ClusterEnvironment):
+        return resolver
+    if hasattr(resolver, "cluster_spec") and hasattr(resolver, "task_type"):
+        import json
+
+        spec = resolver.cluster_spec().as_dict()
+        config = {
+            "cluster": spec,
+            "task": {"type": resolver.task_type, "index": resolver.task_id},
+        }
+        return detect_environment({"TF_CONFIG": json.dumps(config)})
+    raise TypeError(
+        "cluster_resolver must be a keras_dist.ClusterEnvironment or a "
+        f"tf.distribute cluster resolver; got {type(resolver).__name__}."
+    )

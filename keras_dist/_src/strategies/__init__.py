@@ -3,6 +3,7 @@ aliases."""
 
 from __future__ import annotations
 
+from keras_dist._src import context
 from keras_dist._src.strategies.central_storage import (
     CentralStorageStrategy,
 )
@@ -46,6 +47,9 @@ _ALIASES = {
     "centralstorage": "central_storage",
     "ps": "parameter_server",
 }
+
+
+context.set_default_factory(OneDeviceStrategy)
 
 
 def available_strategies() -> list[str]:

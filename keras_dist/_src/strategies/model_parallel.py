@@ -4,11 +4,13 @@ mesh of every device of every process."""
 from __future__ import annotations
 
 from keras_dist._src import backends as backend_lib
-from keras_dist._src.cluster.environments import detect_environment
+from keras_dist._src.cluster.environments import (
+    detect_environment,
+    environment_from,
+)
 from keras_dist._src.errors import LayoutError
 from keras_dist._src.options import InputOptions
 from keras_dist._src.plan import DeviceMesh, LayoutMap, LayoutPlan, ShardedPlan
-from keras_dist._src.strategies.multi_worker import environment_from
 from keras_dist._src.strategy import Strategy
 
 

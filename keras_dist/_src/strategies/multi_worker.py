@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from keras_dist._src.cluster.environments import (
-    ClusterEnvironment,
-    detect_environment,
-)
+from keras_dist._src.cluster.environments import environment_from
 from keras_dist._src.options import InputOptions
 from keras_dist._src.strategy import Strategy
 
@@ -60,24 +57,3 @@ class MultiWorkerMirroredStrategy(Strategy):
             f"MultiWorkerMirroredStrategy(worker={self.worker_index}/"
             f"{self.num_workers}, replicas={self.num_replicas_in_sync})"
         )
-
-
-def environment_from(resolver) -> ClusterEnvironment:
-    """A `ClusterEnvironment` from ours or a tf.distribute resolver."""
-    if resolver is None:
-        return detect_environment()
-    if isinstance(resolver, ClusterEnvironment):
-        return resolver
-    if hasattr(resolver, "cluster_spec") and hasattr(resolver, "task_type"):
-        import json
-
-        spec = resolver.cluster_spec().as_dict()
-        config = {
-            "cluster": spec,
-            "task": {"type": resolver.task_type, "index": resolver.task_id},
-        }
-        return detect_environment({"TF_CONFIG": json.dumps(config)})
-    raise TypeError(
-        "cluster_resolver must be a keras_dist.ClusterEnvironment or a "
-        f"tf.distribute cluster resolver; got {type(resolver).__name__}."
-    )

@@ -19,11 +19,11 @@ variable's `assign_add`/`assign_sub` becomes TensorFlow's atomic update
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist._src.errors import KerasDistError, VariablesOutsideScopeError
+from keras_dist._src.backends.tensorflow.ps_loop import check_not_sharded
+from keras_dist._src.errors import VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
 
 
@@ -124,54 +124,6 @@ def _fetch(value):
     if hasattr(value, "numpy"):
         return value.numpy()
     return value
-
-
-def check_not_sharded(model) -> None:
-    """Refuses variables that the partitioner split (`ShardedVariable`).
-
-    Keras's `train_step` takes the gradient of each whole variable (it
-    reads ``variable.handle``, which a ShardedVariable lacks: "'Sharded
-    Variable' object has no attribute 'handle'"), and Keras's Embedding
-    concatenates the whole table before each lookup, which defeats the
-    sharding.
-
-    Raises:
-        KerasDistError: naming the variables and what to do.
-    """
-    variables = list(model.variables)
-    if model.optimizer is not None:
-        variables += list(model.optimizer.variables)
-    sharded = [
-        v.path
-        for v in variables
-        if len(getattr(glue.variable_value(v), "variables", ()) or ()) > 1
-    ]
-    if not sharded:
-        return
-    embeddings = [
-        layer.name
-        for layer in glue.flatten_layers(model)
-        if isinstance(layer, keras.layers.Embedding)
-    ]
-    hint = (
-        f" (Embedding layers {embeddings}: Keras's Embedding gathers the "
-        "whole table before each lookup, so sharding it saves nothing)"
-        if embeddings
-        else ""
-    )
-    raise KerasDistError(
-        "keras_dist's ParameterServerStrategy cannot train variables that "
-        f"the variable_partitioner split over the ps tasks: {sharded}"
-        f"{hint}. Keras's train_step takes the gradient of each whole "
-        "variable, which a ShardedVariable does not have. Pass "
-        "variable_partitioner=None (variables are then placed whole, "
-        "round-robin over the ps tasks), or a partitioner that leaves these "
-        "variables whole (e.g. MinSizePartitioner with a larger "
-        "min_shard_bytes). For a large embedding table use "
-        "keras_dist.layers.ShardedEmbedding (same arguments as Embedding, "
-        "no partitioner needed): its rows are split over the ps tasks and "
-        "each lookup gathers only the rows it uses."
-    )
 
 
 def create_engine(plan, runtime, input_options):

@@ -224,10 +224,6 @@ class _Loop:
         if not (model.built and model.optimizer.built and model.compiled):
             with self.engine.tf_strategy.scope():
                 glue.symbolic_build(model, spec)
-        from keras_dist._src.backends.tensorflow.parameter_server import (
-            check_not_sharded,
-        )
-
         check_not_sharded(model)
         self._atomic()
 
@@ -419,3 +415,51 @@ def _join(coordinator):
             "scheduled: make the dataset (function) repeat, e.g. "
             "`dataset.repeat()`, and set `steps_per_epoch`."
         ) from error
+
+
+def check_not_sharded(model) -> None:
+    """Refuses variables that the partitioner split (`ShardedVariable`).
+
+    Keras's `train_step` takes the gradient of each whole variable (it
+    reads ``variable.handle``, which a ShardedVariable lacks: "'Sharded
+    Variable' object has no attribute 'handle'"), and Keras's Embedding
+    concatenates the whole table before each lookup, which defeats the
+    sharding.
+
+    Raises:
+        KerasDistError: naming the variables and what to do.
+    """
+    variables = list(model.variables)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    sharded = [
+        v.path
+        for v in variables
+        if len(getattr(glue.variable_value(v), "variables", ()) or ()) > 1
+    ]
+    if not sharded:
+        return
+    embeddings = [
+        layer.name
+        for layer in glue.flatten_layers(model)
+        if isinstance(layer, keras.layers.Embedding)
+    ]
+    hint = (
+        f" (Embedding layers {embeddings}: Keras's Embedding gathers the "
+        "whole table before each lookup, so sharding it saves nothing)"
+        if embeddings
+        else ""
+    )
+    raise KerasDistError(
+        "keras_dist's ParameterServerStrategy cannot train variables that "
+        f"the variable_partitioner split over the ps tasks: {sharded}"
+        f"{hint}. Keras's train_step takes the gradient of each whole "
+        "variable, which a ShardedVariable does not have. Pass "
+        "variable_partitioner=None (variables are then placed whole, "
+        "round-robin over the ps tasks), or a partitioner that leaves these "
+        "variables whole (e.g. MinSizePartitioner with a larger "
+        "min_shard_bytes). For a large embedding table use "
+        "keras_dist.layers.ShardedEmbedding (same arguments as Embedding, "
+        "no partitioner needed): its rows are split over the ps tasks and "
+        "each lookup gathers only the rows it uses."
+    )
