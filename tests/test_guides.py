@@ -12,15 +12,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    keras.backend.backend() not in ("jax", "tensorflow"),
-    reason="the guide's single-process blocks",
-)
-def test_distributed_training_guide_runs(tmp_path):
-    text = (ROOT / "guides" / "distributed_training.md").read_text()
+def _run_guide(tmp_path, name, min_blocks=1):
+    """Runs a guide's Python blocks, in order, as one script in a clean
+    process (no simulated devices of the test run)."""
+    text = (ROOT / "guides" / name).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 5
+    assert len(blocks) >= min_blocks
     script = tmp_path / "guide.py"
     script.write_text("\n".join(blocks))
     env = {
@@ -37,6 +34,16 @@ def test_distributed_training_guide_runs(tmp_path):
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "tensorflow"),
+    reason="the guide's single-process blocks",
+)
+def test_distributed_training_guide_runs(tmp_path):
+    out = _run_guide(tmp_path, "distributed_training.md", min_blocks=5)
     assert "['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']" in out.stdout
     assert "(100, 3)" in out.stdout
     assert "refused:" in out.stdout
@@ -47,24 +54,7 @@ def test_distributed_training_guide_runs(tmp_path):
     keras.backend.backend() != "jax", reason="one backend runs the guide"
 )
 def test_model_parallel_guide_runs(tmp_path):
-    text = (ROOT / "guides" / "model_parallel.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    script = tmp_path / "guide.py"
-    script.write_text("\n".join(blocks))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("KERAS_DIST_CPU_DEVICES", "XLA_FLAGS")
-    }
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_guide(tmp_path, "model_parallel.md")
     assert "(None, 'model')" in out.stdout  # describe's table
     assert "sharded: [" in out.stdout and "dense" in out.stdout
 
