@@ -64,3 +64,49 @@ def test_low_precision_input_keeps_its_dtype():
         np.var(np.linspace(-2, 2, 32).reshape(16, 2), 0),
         rtol=2e-3,
     )
+
+
+def test_combined_moments_of_unequal_parts_equal_the_whole():
+    """`gathered_moments`'s combination of per-replica (count, mean, M2):
+    unequal parts, one empty, a mean that dwarfs the spread."""
+    from keras_dist._src.core.batch_norm import combine_moments
+
+    rng = np.random.default_rng(1)
+    x = (1e4 + rng.standard_normal((96, 3))).astype("float32")
+    parts = [x[:50], x[50:51], x[51:51], x[51:]]
+    stats = []
+    for part in parts:
+        mean, variance = global_moments(
+            ops.convert_to_tensor(part), [0], _identity
+        )
+        n = np.full(3, len(part), "float32")
+        m2 = ops.convert_to_numpy(variance) * len(part)
+        stats.append((n, ops.convert_to_numpy(mean), m2))
+    counts, means, m2s = (np.stack(s) for s in zip(*stats))
+    mean, variance = combine_moments(
+        *(ops.convert_to_tensor(v) for v in (counts, means, m2s))
+    )
+    whole = x.astype("float64")
+    np.testing.assert_allclose(ops.convert_to_numpy(mean), whole.mean(0), 1e-6)
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(variance), whole.var(0), 1e-3
+    )
+
+
+def test_gathered_moments_on_one_replica_match_the_two_pass_formula():
+    from keras_dist._src.core.batch_norm import gathered_moments
+
+    rng = np.random.default_rng(2)
+    x = ops.convert_to_tensor(
+        (1e4 + rng.standard_normal((8, 4, 4, 3))).astype("float32")
+    )
+    weight = ops.convert_to_tensor(
+        np.array([1, 1, 0, 1, 1, 1, 0, 1], "float32").reshape(8, 1, 1, 1)
+    )
+    for w in (None, weight):
+        expected = global_moments(x, [0, 1, 2], _identity, w)
+        got = gathered_moments(x, [0, 1, 2], lambda v: v[None], w)
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(
+                ops.convert_to_numpy(a), ops.convert_to_numpy(b), 1e-4
+            )

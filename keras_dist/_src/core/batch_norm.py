@@ -52,6 +52,60 @@ def global_moments(x, axes, all_reduce_sum, weight=None):
     return ops.cast(mean, dtype), ops.cast(variance, dtype)
 
 
+def gathered_moments(x, axes, all_gather, weight=None):
+    """`global_moments` with one collective: per-replica moments combined.
+
+    Args:
+        x: this replica's (or rank's) input to the layer.
+        axes: the layer's reduction axes.
+        all_gather: the backend's differentiable all-gather: takes a float32
+            tensor and returns the replicas' tensors stacked on a new first
+            axis (the same on every replica), with gradients flowing back to
+            each replica's own part.
+        weight: as in `global_moments`.
+
+    Returns:
+        ``(mean, variance)`` as `global_moments` returns them.
+    """
+    dtype = x.dtype
+    x = ops.cast(x, "float32")
+    if weight is None:
+        total = ops.sum(x, axis=axes)
+        size = ops.cast(ops.size(x), "float32")
+        per_channel = ops.cast(ops.size(total), "float32")
+        count = ops.ones_like(total) * ops.divide_no_nan(size, per_channel)
+        # No sample here (an empty batch): the sums are 0; divide by 1.
+        mean = total / ops.maximum(count, 1.0)
+        m2 = ops.sum(ops.square(x - _keep_dims(mean, axes, x)), axis=axes)
+    else:
+        w = ops.ones_like(x) * ops.cast(weight, "float32")
+        count = ops.sum(w, axis=axes)
+        mean = ops.sum(x * w, axis=axes) / ops.maximum(count, 1.0)
+        m2 = ops.sum(w * ops.square(x - _keep_dims(mean, axes, x)), axis=axes)
+    gathered = all_gather(ops.stack([count, mean, m2]))
+    return combine_moments(
+        gathered[:, 0], gathered[:, 1], gathered[:, 2], dtype
+    )
+
+
+def combine_moments(counts, means, m2s, dtype="float32"):
+    """Combines per-replica ``(count, mean, M2)`` stacked on axis 0.
+
+    ``M2`` is the sum of squared deviations from the replica's own mean.
+    Every term of the combination is non-negative, so a mean that dwarfs the
+    spread loses nothing (Chan, Golub and LeVeque's pairwise update).
+
+    Returns:
+        ``(mean, variance)`` of all the replicas' samples, cast to `dtype`;
+        0 for both where no replica has a sample.
+    """
+    count = ops.sum(counts, axis=0)
+    mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), count)
+    spread = ops.sum(counts * ops.square(means - mean[None]), axis=0)
+    variance = ops.divide_no_nan(ops.sum(m2s, axis=0) + spread, count)
+    return ops.cast(mean, dtype), ops.cast(variance, dtype)
+
+
 def _keep_dims(value, axes, x):
     rank = len(x.shape)
     for axis in sorted(a % rank for a in axes):
