@@ -83,6 +83,18 @@ class BackendModule(Protocol):
         """The whole value of a tensor or variable as a NumPy array on the
         host (gathered if it is sharded; may be a collective)."""
 
+    def export_state(self, value, is_chief: bool = True):
+        """The parts of `value` this process writes into a checkpoint, with
+        no cross-process gather: ``(global_shape, [(start_offsets, numpy
+        array), ...])`` (a sharded value: the shards this process owns,
+        each written by one process; a whole value: by the chief only)."""
+
+    def import_state(self, variable, reader) -> None:
+        """Sets `variable` from a checkpoint whatever layout it was saved
+        under: reads (``reader(index)``, a tuple of slices or None for the
+        whole value, returning a NumPy array) only the regions this
+        process holds."""
+
     def variables_distributed(self, model) -> bool:
         """Whether `model` has variables placed by a multi-device strategy."""
 
@@ -116,6 +128,8 @@ CONTRACT_FUNCTIONS = (
     "simulate_cpu_devices",
     "variables_distributed",
     "host_array",
+    "export_state",
+    "import_state",
     "create_runtime",
     "create_engine",
 )

@@ -15,7 +15,9 @@ from keras_dist._src.backends.jax import (
 )
 from keras_dist._src.backends.jax.devices import (
     default_devices,
+    export_state,
     host_array,
+    import_state,
     list_devices,
     simulate_cpu_devices,
     variables_distributed,
@@ -46,7 +48,9 @@ __all__ = [
     "create_engine",
     "create_runtime",
     "default_devices",
+    "export_state",
     "host_array",
+    "import_state",
     "list_devices",
     "simulate_cpu_devices",
     "variables_distributed",

@@ -104,3 +104,83 @@ def host_array(value) -> np.ndarray:
 
             value = multihost_utils.process_allgather(value, tiled=True)
     return np.asarray(value)
+
+
+def _own(array: np.ndarray) -> np.ndarray:
+    """`array`, copied where it may share memory with a device buffer."""
+    if not array.flags.owndata or not array.flags.writeable:
+        array = array.copy()
+    return array
+
+
+def _bounds(index, shape) -> tuple:
+    """``((start, stop), ...)`` of a tuple of slices over `shape`."""
+    index = tuple(index or ())
+    out = []
+    for axis, size in enumerate(shape):
+        part = index[axis] if axis < len(index) else slice(None)
+        start, stop, _ = part.indices(size)
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+def export_state(value, is_chief: bool = True):
+    """The parts of a JAX array this process writes into a checkpoint.
+
+    No collective: a value whose shards live on several processes is
+    exported shard by shard, each distinct shard by one device that holds
+    it (chosen the same way on every process, spread over its holders);
+    a value this process holds whole (a local or one-process array) by the
+    chief only.
+
+    Returns:
+        ``(global_shape, [(start_offsets, numpy_array), ...])``.
+    """
+    shape = tuple(int(n) for n in np.shape(value))
+    if not isinstance(value, jax.Array) or value.is_fully_addressable:
+        if not is_chief:
+            return shape, []
+        return shape, [((0,) * len(shape), _own(np.asarray(value)))]
+    holders = {}
+    for device, index in value.sharding.devices_indices_map(shape).items():
+        holders.setdefault(_bounds(index, shape), []).append(device)
+    local = {shard.device: shard for shard in value.addressable_shards}
+    pieces = []
+    for ordinal, region in enumerate(sorted(holders)):
+        devices = sorted(holders[region], key=lambda d: d.id)
+        shard = local.get(devices[ordinal % len(devices)])
+        if shard is not None:
+            start = tuple(a for a, _ in region)
+            pieces.append((start, _own(np.asarray(shard.data))))
+    return shape, pieces
+
+
+def import_state(variable, reader) -> None:
+    """Sets `variable` from a checkpoint: each process reads only the
+    regions its devices hold (``reader(index)``: the saved region `index`,
+    a tuple of slices, None for all, as a NumPy array), whatever layout
+    the checkpoint was written under."""
+    from keras_dist._src.keras_glue import internals as glue
+
+    value = glue.variable_value(variable)
+    if (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and tuple(value.shape) == tuple(variable.shape)
+    ):
+        shape, dtype, cache = tuple(value.shape), value.dtype, {}
+
+        def part(index):
+            region = _bounds(index, shape)
+            if region not in cache:
+                wanted = tuple(slice(a, b) for a, b in region)
+                cache[region] = np.asarray(reader(wanted)).astype(
+                    dtype, copy=False
+                )
+            return cache[region]
+
+        array = jax.make_array_from_callback(shape, value.sharding, part)
+        glue.set_variable_value(variable, array)
+        return
+    whole = np.asarray(reader(None))
+    variable.assign(whole.astype(variable.dtype, copy=False))

@@ -78,3 +78,26 @@ def host_array(value) -> np.ndarray:
     """The value of a tensor or variable on the host (a tf.distribute
     MirroredVariable reads as its primary copy)."""
     return np.asarray(tf.identity(value).numpy())
+
+
+def export_state(value, is_chief: bool = True):
+    """The parts of a value this process writes into a checkpoint: the
+    whole value, by the chief only (every process reads it, since reading
+    a sync-on-read variable of a multi-worker job is a collective).
+
+    Returns:
+        ``(global_shape, [(start_offsets, numpy_array), ...])``.
+    """
+    array = host_array(value)
+    if not array.flags.owndata or not array.flags.writeable:
+        array = array.copy()
+    shape = tuple(int(n) for n in array.shape)
+    if not is_chief:
+        return shape, []
+    return shape, [((0,) * len(shape), array)]
+
+
+def import_state(variable, reader) -> None:
+    """Sets `variable` to the whole saved value (``reader(None)``)."""
+    whole = np.asarray(reader(None))
+    variable.assign(whole.astype(variable.dtype, copy=False))

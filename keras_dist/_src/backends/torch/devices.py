@@ -113,3 +113,74 @@ def host_array(value) -> np.ndarray:
     if hasattr(value, "full_tensor"):  # torch.distributed.tensor.DTensor
         value = value.full_tensor()
     return value.detach().cpu().numpy()
+
+
+def _numpy(tensor) -> np.ndarray:
+    """A NumPy copy of a local tensor (never a view of its storage)."""
+    return np.array(tensor.detach().cpu().numpy(), copy=True)
+
+
+def export_state(value, is_chief: bool = True):
+    """The parts of a tensor this rank writes into a checkpoint.
+
+    No collective: a DTensor is exported as this rank's local shard with
+    its offset (by the rank at coordinate 0 of every mesh dimension the
+    value is replicated over); a plain tensor, whole, by the chief only.
+
+    Returns:
+        ``(global_shape, [(start_offsets, numpy_array), ...])``.
+    """
+    shape = tuple(int(n) for n in value.shape)
+    if hasattr(value, "device_mesh") and hasattr(value, "to_local"):
+        mesh, placements = value.device_mesh, value.placements
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return shape, []
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                raise ValueError(
+                    f"Cannot checkpoint a DTensor with a Partial placement "
+                    f"({placements}): reduce it first."
+                )
+            if placement.is_replicate() and coordinate[dim] != 0:
+                return shape, []
+        local_shape, offset = _local_shape_and_offset(value)
+        local = value.to_local()
+        if local.numel() == 0 and int(np.prod(shape)) != 0:
+            return shape, []
+        return shape, [(tuple(int(o) for o in offset), _numpy(local))]
+    if not is_chief:
+        return shape, []
+    return shape, [((0,) * len(shape), _numpy(value))]
+
+
+def _local_shape_and_offset(value):
+    from torch.distributed.tensor._utils import (
+        compute_local_shape_and_global_offset,
+    )
+
+    return compute_local_shape_and_global_offset(
+        tuple(value.shape), value.device_mesh, value.placements
+    )
+
+
+def import_state(variable, reader) -> None:
+    """Sets `variable` from a checkpoint: a DTensor's rank reads only its
+    local shard's region (``reader(index)``: the saved region `index`, a
+    tuple of slices, None for all, as a NumPy array), whatever layout the
+    checkpoint was written under; a plain tensor reads the whole value."""
+    from keras_dist._src.keras_glue import internals as glue
+
+    target = glue.variable_value(variable)
+    if hasattr(target, "device_mesh") and hasattr(target, "to_local"):
+        local_shape, offset = _local_shape_and_offset(target)
+        index = tuple(
+            slice(int(o), int(o) + int(n)) for o, n in zip(offset, local_shape)
+        )
+        region = np.asarray(reader(index)).astype(variable.dtype, copy=False)
+        local = target.to_local()
+        with torch.no_grad():
+            local.copy_(torch.as_tensor(region).reshape(local.shape))
+        return
+    whole = np.asarray(reader(None))
+    variable.assign(whole.astype(variable.dtype, copy=False))
