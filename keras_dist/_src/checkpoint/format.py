@@ -38,7 +38,13 @@ import zlib
 import numpy as np
 
 FORMAT_NAME = "keras_dist.checkpoint"
-FORMAT_VERSION = 1
+#: The newest format version this keras_dist reads. A job of one process
+#: writes version 1 (one ``arrays.npz``); a job of several processes writes
+#: version 2 (sharded: one ``shards-<rank>.npz`` per process, see
+#: `keras_dist._src.checkpoint.shards`).
+FORMAT_VERSION = 2
+SINGLE_FILE_VERSION = 1
+SHARDED_VERSION = 2
 ARRAYS_FILE = "arrays.npz"
 METADATA_FILE = "metadata.json"
 COMMIT_FILE = "COMMIT"
@@ -92,27 +98,30 @@ def write(root: str, step: int, arrays: dict, metadata: dict) -> str:
         metadata = dict(metadata)
         metadata.update(
             format=FORMAT_NAME,
-            format_version=FORMAT_VERSION,
+            format_version=SINGLE_FILE_VERSION,
             arrays=index,
             files={ARRAYS_FILE: writer.digest()},
         )
         meta_bytes = json.dumps(metadata, indent=1, sort_keys=True).encode()
         _write_bytes(os.path.join(temp, METADATA_FILE), meta_bytes)
-        commit = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "metadata_sha256": hashlib.sha256(meta_bytes).hexdigest(),
-        }
-        _write_bytes(
-            os.path.join(temp, COMMIT_FILE), json.dumps(commit).encode()
-        )
-        _fsync_dir(temp)
-        _publish(temp, final, root, token)
+        finish(temp, final, root, token, step, meta_bytes, SINGLE_FILE_VERSION)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return final
+
+
+def finish(temp, final, root, token, step, meta_bytes, version) -> None:
+    """Writes the COMMIT marker into `temp` and publishes it as `final`."""
+    commit = {
+        "format": FORMAT_NAME,
+        "format_version": version,
+        "step": step,
+        "metadata_sha256": hashlib.sha256(meta_bytes).hexdigest(),
+    }
+    _write_bytes(os.path.join(temp, COMMIT_FILE), json.dumps(commit).encode())
+    _fsync_dir(temp)
+    _publish(temp, final, root, token)
 
 
 class _HashingWriter:
@@ -396,6 +405,10 @@ def _check_metadata(path: str, metadata: dict, step: int) -> None:
             f"its metadata says step {metadata.get('step')!r}, its name "
             f"and {COMMIT_FILE} say {step}",
         )
+    if metadata.get("format_version") == SHARDED_VERSION:
+        _check_sharded_metadata(path, metadata)
+        _check_position(path, metadata, step)
+        return
     files = metadata.get("files")
     if not isinstance(files, dict) or ARRAYS_FILE not in files:
         raise _invalid(path, f"its metadata lists no {ARRAYS_FILE!r} file")
@@ -450,6 +463,10 @@ def _check_metadata(path: str, metadata: dict, step: int) -> None:
             f"its arrays need {total} bytes but {ARRAYS_FILE} has "
             f"{files[ARRAYS_FILE]['bytes']}",
         )
+    _check_position(path, metadata, step)
+
+
+def _check_position(path: str, metadata: dict, step: int) -> None:
     position = metadata.get("position", {})
     if not isinstance(position, dict):
         raise _invalid(path, f"its position is {position!r}")
@@ -486,8 +503,8 @@ def _dtype(name: str):
     return np.dtype(name)
 
 
-def _check_digest(path: str, expected: dict) -> None:
-    file_path = os.path.join(path, ARRAYS_FILE)
+def _check_digest(path: str, expected: dict, name: str = ARRAYS_FILE) -> None:
+    file_path = os.path.join(path, name)
     try:
         digest = _file_digest(file_path)
     except OSError as error:
@@ -501,14 +518,14 @@ def _check_digest(path: str, expected: dict) -> None:
         )
 
 
-def _scan_member(path: str, archive, entry: dict) -> None:
+def _scan_member(path: str, archive, entry: dict, file=ARRAYS_FILE) -> None:
     """Checks one stored array's header against its metadata entry."""
     name = entry["name"]
     where = f"array {entry['key']!r} ({name})"
     try:
         info = archive.getinfo(name + ".npy")
     except KeyError:
-        raise _invalid(path, f"{ARRAYS_FILE} lacks {where}") from None
+        raise _invalid(path, f"{file} lacks {where}") from None
     if info.compress_type != zipfile.ZIP_STORED:
         raise _invalid(path, f"{where} is compressed (never written so)")
     with archive.open(info) as f:
@@ -571,6 +588,11 @@ def verify(path: str) -> dict:
         CheckpointError: for a checkpoint of a newer format.
     """
     metadata = read_metadata(path)
+    if metadata["format_version"] == SHARDED_VERSION:
+        for name, info in metadata["files"].items():
+            _check_digest(path, info, name)
+        open_sharded(path, metadata).close()  # headers and random states
+        return metadata
     _check_digest(path, metadata["files"][ARRAYS_FILE])
     try:
         with _open_arrays(path, metadata) as archive:
@@ -612,6 +634,12 @@ def load_arrays(path: str, metadata: dict, verify: bool = True) -> dict:
         CheckpointCorruptError: on a checksum mismatch, an unreadable file
             or arrays that do not match the metadata.
     """
+    if metadata["format_version"] == SHARDED_VERSION:
+        if verify:
+            for name, info in metadata["files"].items():
+                _check_digest(path, info, name)
+        arrays = open_sharded(path, metadata)
+        return {k: np.asarray(v) for k, v in arrays.items()}
     if verify:
         _check_digest(path, metadata["files"][ARRAYS_FILE])
     out = {}
@@ -683,6 +711,298 @@ def _rng_problem(base: str, array) -> str | None:
     elif kind not in "biuf" and array.dtype.name not in _ML_DTYPES:
         return f"has dtype {array.dtype}"
     return None
+
+
+# -- sharded checkpoints (format version 2) --
+#: Groups whose arrays are read lazily, part by part (`SavedArray`).
+VARIABLE_GROUPS = ("model/", "optimizer/", "metrics/")
+
+
+def _check_sharded_metadata(path: str, metadata: dict) -> None:
+    """Validates a version-2 metadata: files, arrays and their pieces."""
+    files = metadata.get("files")
+    if not isinstance(files, dict) or not files:
+        raise _invalid(path, "its metadata lists no shard files")
+    for name, info in files.items():
+        if (
+            not isinstance(name, str)
+            or not _FILE_NAME.match(name)
+            or len(name) > 128
+            or name in (COMMIT_FILE, METADATA_FILE)
+        ):
+            raise _invalid(path, f"its metadata names a file {name!r}")
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("sha256"), str)
+            or not _SHA256.match(info["sha256"])
+            or not _is_int(info.get("bytes"))
+            or info["bytes"] < 0
+        ):
+            raise _invalid(path, f"its metadata entry of {name!r} is {info!r}")
+    entries = metadata.get("arrays")
+    if not isinstance(entries, list):
+        raise _invalid(path, "its metadata has no list of arrays")
+    keys, members, used = set(), set(), dict.fromkeys(files, 0)
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise _invalid(path, f"an array entry is {entry!r}")
+        key, dtype, shape = (
+            entry.get("key"),
+            entry.get("dtype"),
+            entry.get("shape"),
+        )
+        if not isinstance(key, str) or not key or key in keys:
+            raise _invalid(path, f"an array key is {key!r} (or repeated)")
+        keys.add(key)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _invalid(path, f"array {key!r} has dtype {dtype!r}")
+        if not _valid_shape(shape):
+            raise _invalid(path, f"array {key!r} has shape {shape!r}")
+        pieces = entry.get("pieces")
+        if not isinstance(pieces, list):
+            raise _invalid(path, f"array {key!r} has no list of pieces")
+        covered = 0
+        for piece in pieces:
+            where = f"a piece of array {key!r} ({piece!r})"
+            if not isinstance(piece, dict):
+                raise _invalid(path, f"{where} is not an object")
+            file, name = piece.get("file"), piece.get("name")
+            start, size = piece.get("start"), piece.get("shape")
+            if file not in files:
+                raise _invalid(path, f"{where} names an unlisted file")
+            if not isinstance(name, str) or not _MEMBER_NAME.match(name):
+                raise _invalid(path, f"{where} has member name {name!r}")
+            if (file, name) in members:
+                raise _invalid(path, f"two pieces are stored as {file}/{name}")
+            members.add((file, name))
+            if (
+                not _valid_shape(start)
+                or not _valid_shape(size)
+                or len(start) != len(shape)
+                or len(size) != len(shape)
+                or any(a + n > m for a, n, m in zip(start, size, shape))
+            ):
+                raise _invalid(path, f"{where} lies outside shape {shape}")
+            covered += math.prod(size)
+            used[file] += math.prod(size) * _stored_dtype(dtype).itemsize
+        if covered != math.prod(shape):
+            raise _invalid(
+                path,
+                f"the pieces of array {key!r} hold {covered} of its "
+                f"{math.prod(shape)} elements",
+            )
+    for name, total in used.items():
+        if total > files[name]["bytes"]:
+            raise _invalid(
+                path,
+                f"its pieces in {name} need {total} bytes but the file has "
+                f"{files[name]['bytes']}",
+            )
+
+
+def _valid_shape(shape) -> bool:
+    return (
+        isinstance(shape, list)
+        and len(shape) <= _MAX_NDIM
+        and all(_is_int(n) and n >= 0 for n in shape)
+    )
+
+
+def bounds(index, shape) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of a region given as a tuple of slices
+    (None or missing: the whole dimension) of an array of `shape`."""
+    index = tuple(index or ())
+    out = []
+    for axis, size in enumerate(shape):
+        part = index[axis] if axis < len(index) else slice(None)
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ValueError(f"A checkpoint region has step {step}.")
+        out.append((start, max(start, stop)))
+    return out
+
+
+class SavedArray:
+    """An array of a sharded checkpoint, read region by region.
+
+    Attributes:
+        key: its checkpoint key (``model/dense/kernel``).
+        shape: its global shape.
+        dtype: its NumPy dtype.
+        layout: the layout it was saved under (as the metadata records it).
+    """
+
+    def __init__(self, source, entry):
+        self._source = source
+        self.key = entry["key"]
+        self.shape = tuple(entry["shape"])
+        self.dtype = _dtype(entry["dtype"])
+        self.layout = entry.get("layout")
+        self._entry = entry
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def read(self, index=None) -> np.ndarray:
+        """The region `index` (a tuple of slices; None: all) as an array,
+        assembled from the pieces it overlaps (only those are read).
+
+        Raises:
+            CheckpointCorruptError: if the pieces do not cover the region.
+        """
+        region = bounds(index, self.shape)
+        out = np.empty([b - a for a, b in region], self.dtype)
+        filled = 0
+        for piece in self._entry["pieces"]:
+            lows, highs = [], []
+            for (a, b), p, n in zip(region, piece["start"], piece["shape"]):
+                lows.append(max(a, p))
+                highs.append(min(b, p + n))
+            if any(lo >= hi for lo, hi in zip(lows, highs)):
+                continue
+            data = self._source.piece(self._entry, piece)
+            target = tuple(
+                slice(lo - a, hi - a)
+                for lo, hi, (a, _) in zip(lows, highs, region)
+            )
+            origin = tuple(
+                slice(lo - p, hi - p)
+                for lo, hi, p in zip(lows, highs, piece["start"])
+            )
+            out[target] = data[origin]
+            filled += math.prod(hi - lo for lo, hi in zip(lows, highs))
+        if filled != out.size:
+            raise CheckpointCorruptError(
+                f"{self._source.path}: the pieces of {self.key!r} cover "
+                f"{filled} of the {out.size} elements of region {region}."
+            )
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self):
+        return (
+            f"SavedArray({self.key!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"pieces={len(self._entry['pieces'])})"
+        )
+
+
+class _ShardFiles:
+    """The open shard files of one sharded checkpoint."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._archives = {}
+
+    def archive(self, name: str):
+        archive = self._archives.get(name)
+        if archive is None:
+            try:
+                archive = zipfile.ZipFile(os.path.join(self.path, name))
+            except _READ_ERRORS as error:
+                raise CheckpointCorruptError(
+                    f"{self.path}/{name} cannot be read: {error}"
+                ) from None
+            self._archives[name] = archive
+        return archive
+
+    def piece(self, entry: dict, piece: dict) -> np.ndarray:
+        member = dict(
+            key=entry["key"],
+            name=piece["name"],
+            dtype=entry["dtype"],
+            shape=piece["shape"],
+        )
+        try:
+            with self.archive(piece["file"]).open(piece["name"] + ".npy") as f:
+                return _read_npy(f, member)
+        except CheckpointError:
+            raise
+        except _READ_ERRORS as error:
+            raise CheckpointCorruptError(
+                f"{self.path}/{piece['file']} cannot be read: {error}"
+            ) from None
+
+    def close(self) -> None:
+        for archive in self._archives.values():
+            archive.close()
+        self._archives = {}
+
+
+class ShardedArrays(dict):
+    """``{key: array}`` of a sharded checkpoint: the variables' arrays are
+    `SavedArray` objects (read part by part: each process reads only the
+    regions it holds), every other array (random states, extras) a NumPy
+    array."""
+
+    def __init__(self, files: _ShardFiles):
+        super().__init__()
+        self.files = files
+
+    def close(self) -> None:
+        """Closes the open files (reading again reopens them)."""
+        self.files.close()
+
+
+def open_sharded(path: str, metadata: dict) -> ShardedArrays:
+    """Opens a sharded (version 2) checkpoint for reading.
+
+    Checks that every file holds exactly the members its metadata lists
+    and every piece's header (dtype, shape, size), and reads the arrays
+    outside the variable groups (random states, extras), which are
+    checked as `load_arrays` checks them.
+
+    Returns:
+        A `ShardedArrays` mapping.
+
+    Raises:
+        CheckpointCorruptError: naming the defect.
+    """
+    files = _ShardFiles(path)
+    out = ShardedArrays(files)
+    wanted = {name: set() for name in metadata["files"]}
+    for entry in metadata["arrays"]:
+        for piece in entry["pieces"]:
+            wanted[piece["file"]].add(piece["name"] + ".npy")
+    try:
+        for name, members in wanted.items():
+            extra = set(files.archive(name).namelist()) - members
+            if extra:
+                raise _invalid(
+                    path,
+                    f"{name} holds arrays its metadata does not list: "
+                    f"{sorted(extra)[:5]}",
+                )
+        for entry in metadata["arrays"]:
+            for piece in entry["pieces"]:
+                member = dict(
+                    key=entry["key"],
+                    name=piece["name"],
+                    dtype=entry["dtype"],
+                    shape=piece["shape"],
+                )
+                _scan_member(
+                    path, files.archive(piece["file"]), member, piece["file"]
+                )
+            array = SavedArray(files, entry)
+            if entry["key"].startswith(VARIABLE_GROUPS):
+                out[entry["key"]] = array
+            else:
+                out[entry["key"]] = array.read()
+    except CheckpointError:
+        files.close()
+        raise
+    except _READ_ERRORS as error:
+        files.close()
+        raise CheckpointCorruptError(
+            f"{path} cannot be read: {error}"
+        ) from None
+    check_rng(path, {k: v for k, v in out.items() if _RNG_KEY.match(k)})
+    return out
 
 
 def latest(root: str, warn: bool = True) -> str | None:

@@ -1,11 +1,16 @@
-"""Saving and restoring whole training states: chief writes, all agree.
+"""Saving and restoring whole training states: collective, atomic.
 
 `CheckpointManager` owns one checkpoint directory. Every process calls
 `save` and `restore` at the same point of the program (they are
-collective): the chief alone snapshots and writes, the others wait at a
-barrier; on restore the chief picks the newest checkpoint that verifies
-and broadcasts its step, then every process loads it (so the directory
-must be readable by all processes, e.g. a shared filesystem).
+collective). In a job of one process whose variables are whole the state
+is written as one file (format 1, `format.write`); in a job of several,
+or with variables split over devices, every process writes the pieces it
+owns (the shards of its variables: nothing is gathered from
+other processes) and the chief writes the metadata and commits once all
+have written (format 2, `shards`). On restore the chief picks the newest
+checkpoint that verifies and broadcasts its step; then every process reads
+the regions its own variables hold (so the directory must be shared by all
+processes, e.g. a shared filesystem).
 
 Asynchronous saving copies the state to host memory on the calling
 (training) thread, then writes it in a background thread while training
@@ -22,7 +27,7 @@ import time
 import warnings
 
 from keras_dist._src.checkpoint import format as fmt
-from keras_dist._src.checkpoint import runtime_glue, state
+from keras_dist._src.checkpoint import runtime_glue, shards, state
 
 
 class CheckpointNotFoundError(fmt.CheckpointError, FileNotFoundError):
@@ -52,6 +57,8 @@ class CheckpointManager:
         self._runtime = runtime
         self._writer: _Writer | None = None
         self._pending = False
+        #: Seconds the chief waits for the other processes' pieces.
+        self.shard_timeout = 1800.0
         self.last_save_seconds = None  # time the caller was blocked
         self.last_write_seconds = None  # time of the whole write
 
@@ -79,11 +86,14 @@ class CheckpointManager:
         start = time.perf_counter()
         self.wait(model)
         path = os.path.join(self.directory, f"{fmt.PREFIX}{int(step)}")
-        if runtime.is_chief or _reading_is_collective(runtime):
-            arrays = state.snapshot_variables(model)
+        # Every process exports its own parts (no gather; on TensorFlow
+        # reading a sync-on-read variable is a collective all make).
+        entries = state.export_variables(model, runtime.is_chief)
+        metadata = None
         if runtime.is_chief:
-            arrays.update(state.capture_rng())
-            arrays.update(extra_arrays or {})
+            extras = state.capture_rng()
+            extras.update(extra_arrays or {})
+            entries += [state.whole(k, v) for k, v in extras.items()]
             metadata = {
                 "step": int(step),
                 "created": time.time(),
@@ -92,6 +102,10 @@ class CheckpointManager:
                 "position": dict(position or {"global_step": int(step)}),
                 "user": dict(extra or {}),
             }
+        if runtime.world_size > 1 or any(_split(e) for e in entries):
+            self._save_sharded(runtime, int(step), entries, metadata)
+        elif runtime.is_chief:
+            arrays = {e["key"]: state.assemble(e) for e in entries}
             job = _Writer(self, int(step), arrays, metadata)
             if self.async_save:
                 self._writer = job.start()
@@ -100,10 +114,40 @@ class CheckpointManager:
                 job.raise_error()
         if self.async_save:
             self._pending = True
-        else:
+        elif runtime.world_size <= 1:
             runtime.barrier("keras_dist/checkpoint/saved")
         self.last_save_seconds = time.perf_counter() - start
         return path
+
+    def _save_sharded(self, runtime, step, entries, metadata) -> None:
+        """Every process writes its pieces; the chief commits (format 2)."""
+        token = ""
+        if runtime.is_chief:
+            try:
+                token = shards.begin(self.directory, step)
+            except OSError as error:
+                token = f"!{type(error).__name__}: {error}"
+        token = runtime.broadcast(token, 0)
+        if token.startswith("!"):
+            raise fmt.CheckpointError(
+                f"Cannot write checkpoint {step} into {self.directory!r}: "
+                f"the chief could not create its directory ({token[1:]})."
+            )
+        job = _ShardWriter(self, step, token, runtime, entries, metadata)
+        if self.async_save:
+            self._writer = job.start()
+            return
+        job.run()
+        failure = runtime.broadcast(
+            "" if job.error is None or not runtime.is_chief else str(job.error),
+            0,
+        )
+        job.raise_error()
+        if failure:
+            raise fmt.CheckpointError(
+                f"Writing checkpoint {step} into {self.directory!r} failed "
+                f"on the chief (process 0), which commits it: {failure}"
+            )
 
     def wait(self, model=None) -> None:
         """Waits for the asynchronous save in flight (collective).
@@ -170,7 +214,7 @@ class CheckpointManager:
         if found is None:  # another process: the chief verified it
             path = os.path.join(self.directory, f"{fmt.PREFIX}{step}")
             metadata = fmt.read_metadata(path)
-            found = (path, metadata, fmt.load_arrays(path, metadata, False))
+            found = (path, metadata, _open(path, metadata, verify=False))
         return found
 
     def restore(self, model, path=None, restore_rng=True) -> dict:
@@ -193,7 +237,11 @@ class CheckpointManager:
                 f"No complete checkpoint in {self.directory!r}."
             )
         path, metadata, arrays = found
-        apply(model, arrays)
+        try:
+            apply(model, arrays)
+        finally:
+            if hasattr(arrays, "close"):
+                arrays.close()
         if restore_rng:
             state.restore_rng(state.rng_arrays(arrays))
         return dict(metadata, path=path)
@@ -211,17 +259,6 @@ class CheckpointManager:
             except OSError:
                 pass  # other files live there: leave them
         runtime.barrier("keras_dist/checkpoint/removed")
-
-
-def _reading_is_collective(runtime) -> bool:
-    """Whether reading a variable may need every process (then all read).
-
-    In a multi-worker job a read can be a collective: TensorFlow's metrics
-    are sync-on-read variables (reading one all-reduces it), and a variable
-    sharded over processes (JAX or torch layouts) is gathered from all of
-    them. So with several processes every one reads, and the chief writes.
-    """
-    return runtime.world_size > 1
 
 
 def apply(model, arrays: dict, metrics: bool = True) -> None:
@@ -246,6 +283,22 @@ def apply(model, arrays: dict, metrics: bool = True) -> None:
         state.assign(pairs)
 
 
+def _split(entry) -> bool:
+    """Whether an exported value comes in several pieces (a layout)."""
+    pieces = entry["pieces"]
+    return len(pieces) != 1 or list(pieces[0][1].shape) != entry["shape"]
+
+
+def _open(path, metadata, verify=True):
+    """The arrays of a checkpoint: NumPy arrays (format 1), or those of a
+    sharded one (format 2), whose variables are read part by part."""
+    if metadata["format_version"] == fmt.SHARDED_VERSION:
+        if verify:
+            fmt.verify(path)
+        return fmt.open_sharded(path, metadata)
+    return fmt.load_arrays(path, metadata, verify=verify)
+
+
 def _load_newest(directory, path=None):
     if path is not None:
         paths = [os.fspath(path)]
@@ -264,7 +317,7 @@ def _load_newest(directory, path=None):
     for candidate in paths:
         try:
             metadata = fmt.read_metadata(candidate)
-            arrays = fmt.load_arrays(candidate, metadata, verify=True)
+            arrays = _open(candidate, metadata, verify=True)
         except fmt.CheckpointError as error:
             if path is not None:
                 raise
@@ -330,6 +383,53 @@ class _Writer:
                 f"Writing checkpoint {self.step} into "
                 f"{self.manager.directory!r} failed: {error}"
             ) from error
+
+
+class _ShardWriter(_Writer):
+    """Writes this process's pieces of a sharded checkpoint; the chief's
+    also waits for every other process's and commits (no collective, so
+    that it may run in a background thread)."""
+
+    def __init__(self, manager, step, token, runtime, entries, metadata):
+        super().__init__(manager, step, None, metadata)
+        self.token = token
+        self.rank = int(runtime.rank)
+        self.world_size = int(runtime.world_size)
+        self.is_chief = bool(runtime.is_chief)
+        self.entries = entries
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        directory = self.manager.directory
+        temp = shards.temp_path(directory, self.step, self.token)
+        try:
+            shards.write_own(temp, self.rank, self.entries)
+        except BaseException as error:  # noqa: BLE001 - re-raised by wait
+            self.error = error
+            if self.is_chief:
+                shards.abort(directory, self.step, self.token)
+            else:
+                shards.write_failure(
+                    temp, self.rank, f"{type(error).__name__}: {error}"
+                )
+        finally:
+            self.entries = None
+        try:
+            if self.is_chief and self.error is None:
+                shards.commit(
+                    directory,
+                    self.step,
+                    self.token,
+                    self.world_size,
+                    self.metadata,
+                    timeout=self.manager.shard_timeout,
+                )
+                if self.manager.keep is not None:
+                    fmt.keep_last(directory, self.manager.keep)
+        except BaseException as error:  # noqa: BLE001 - re-raised by wait
+            self.error = error
+        finally:
+            self.manager.last_write_seconds = time.perf_counter() - start
 
 
 _IN_FLIGHT: set = set()

@@ -69,6 +69,90 @@ def to_host(value) -> np.ndarray:
     return array
 
 
+def export_variables(model, is_chief: bool = True) -> list:
+    """The parts of every variable of `model` this process writes.
+
+    Through the backend's `export_state`: no value is gathered from other
+    processes (each exports the shards it owns; a whole value is exported
+    by the chief).
+
+    Returns:
+        ``[{"key", "shape", "dtype", "layout", "pieces": [(start, array),
+        ...]}, ...]`` in group order.
+    """
+    from keras_dist._src import backends
+
+    check_built(model)
+    backend = backends.get()
+    placement = _placement_of(model)
+    out = []
+    for group, variables in variable_groups(model).items():
+        for key, variable in zip(_keys(group, variables), variables):
+            shape, pieces = backend.export_state(variable.value, is_chief)
+            out.append(
+                {
+                    "key": key,
+                    "shape": [int(n) for n in shape],
+                    "dtype": keras.backend.standardize_dtype(variable.dtype),
+                    "layout": placement(variable),
+                    "pieces": pieces,
+                }
+            )
+    return out
+
+
+def whole(key: str, value) -> dict:
+    """An `export_variables` entry of an array the chief holds whole (the
+    random states, extra arrays)."""
+    array = np.asarray(value)
+    return {
+        "key": key,
+        "shape": list(array.shape),
+        "dtype": array.dtype.name,
+        "pieces": [((0,) * array.ndim, array)],
+    }
+
+
+def assemble(entry: dict) -> np.ndarray:
+    """The whole array of an `export_variables` entry whose pieces this
+    process holds all of (a job of one process)."""
+    pieces = entry["pieces"]
+    shape = tuple(entry["shape"])
+    if len(pieces) == 1 and tuple(pieces[0][1].shape) == shape:
+        return pieces[0][1]
+    out = np.empty(shape, pieces[0][1].dtype)
+    for start, array in pieces:
+        out[tuple(slice(a, a + n) for a, n in zip(start, array.shape))] = array
+    return out
+
+
+def _placement_of(model):
+    """A function giving a variable's layout over the strategy's mesh, as
+    JSON (one entry per dimension: None, an axis name or a list of names),
+    or None where the strategy has no layouts."""
+    from keras_dist._src.checkpoint import runtime_glue
+
+    strategy = runtime_glue.strategy_of(model)
+    engine = getattr(strategy, "extended", None)
+    find = getattr(engine, "placement", None)
+
+    def placement(variable):
+        if find is None:
+            return None
+        try:
+            layout, _ = find(variable)
+        except Exception:  # noqa: BLE001 - a description, never needed
+            return None
+        return [
+            [str(n) for n in a]
+            if isinstance(a, (tuple, list))
+            else (None if a is None else str(a))
+            for a in layout
+        ]
+
+    return placement
+
+
 def snapshot_variables(model) -> dict:
     """Copies every variable of `model` to host memory.
 
@@ -214,9 +298,25 @@ def _match_group(group, keys, variables, saved, arrays):
 
 
 def assign(pairs) -> None:
-    """Assigns each array to its variable (in the variable's dtype)."""
+    """Assigns each array to its variable (in the variable's dtype).
+
+    Through the backend's `import_state`: each process reads only the
+    regions of a saved array (a `format.SavedArray` of a sharded
+    checkpoint, or a NumPy array) its own part of the variable needs.
+    """
+    from keras_dist._src import backends
+
+    backend = backends.get()
     for variable, array in pairs:
-        variable.assign(np.asarray(array).astype(variable.dtype, copy=False))
+        if hasattr(array, "read"):
+            reader = array.read
+        else:
+            array = np.asarray(array)
+
+            def reader(index, array=array):
+                return array if index is None else array[tuple(index)]
+
+        backend.import_state(variable, reader)
 
 
 # -- random generators --

@@ -127,20 +127,28 @@ def _bounds(index, shape) -> tuple:
 def export_state(value, is_chief: bool = True):
     """The parts of a JAX array this process writes into a checkpoint.
 
-    No collective: a value whose shards live on several processes is
-    exported shard by shard, each distinct shard by one device that holds
-    it (chosen the same way on every process, spread over its holders);
-    a value this process holds whole (a local or one-process array) by the
-    chief only.
+    No collective: a sharded value is exported shard by shard, each
+    distinct shard by one device that holds it (chosen the same way on
+    every process, spread over its holders); a replicated value, or one
+    this process holds alone in a job of several, whole by the chief only.
 
     Returns:
         ``(global_shape, [(start_offsets, numpy_array), ...])``.
     """
     shape = tuple(int(n) for n in np.shape(value))
-    if not isinstance(value, jax.Array) or value.is_fully_addressable:
+    if (
+        not isinstance(value, jax.Array)
+        or value.sharding.is_fully_replicated
+        or (value.is_fully_addressable and jax.process_count() > 1)
+    ):
         if not is_chief:
             return shape, []
-        return shape, [((0,) * len(shape), _own(np.asarray(value)))]
+        if isinstance(value, jax.Array) and value.is_fully_addressable:
+            return shape, [((0,) * len(shape), _own(np.asarray(value)))]
+        local = (
+            value.addressable_data(0) if isinstance(value, jax.Array) else value
+        )
+        return shape, [((0,) * len(shape), _own(np.asarray(local)))]
     holders = {}
     for device, index in value.sharding.devices_indices_map(shape).items():
         holders.setdefault(_bounds(index, shape), []).append(device)
