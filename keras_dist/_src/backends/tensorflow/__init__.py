@@ -1,8 +1,15 @@
-"""The TensorFlow backend of keras_dist (see `data_parallel`).
+"""The TensorFlow backend of keras_dist (see `engine`).
 
 Same inner files as every backend: `devices`, `runtime`, `data_parallel`,
 `inputs`, `batch_norm`, `sharded`; this module re-exports the contract's
 functions and holds `ENGINES`, the registry of plan type -> engine.
+
+`engine.ReplicaEngine` is the glue of every tf.distribute strategy with a
+replica per device (the exact per-replica step: `replica_step`,
+`replica_losses`, `gradients`, `step_context`); the policies subclass it:
+`mirrored`, `multi_worker`, `central_storage` (`one_device` keeps Keras's
+own step). `data_parallel.create_engine` picks the policy of a
+`ReplicatedPlan`.
 """
 
 from keras_dist._src import plan as _plan

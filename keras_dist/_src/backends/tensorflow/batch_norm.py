@@ -1,11 +1,15 @@
-"""Global-batch (or per-replica) BatchNormalization moments on TF."""
+"""Global-batch (or per-replica) BatchNormalization moments on TF.
+
+The moments are called deep inside Keras's layer, with Keras's arguments:
+the rows that are real (not padding) come from the replica's
+`step_context.StepContext` (found by replica context; see that module).
+"""
 
 from __future__ import annotations
 
-import threading
-
 import tensorflow as tf
 
+from keras_dist._src.backends.tensorflow import step_context
 from keras_dist._src.core.batch_norm import global_moments
 from keras_dist._src.keras_glue import internals as glue
 
@@ -44,7 +48,8 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
             or context.num_replicas_in_sync == 1
         ):
             return original(inputs, mask)
-        valid = getattr(REPLICA_STATE, "valid", None)
+        step = step_context.current()
+        valid = None if step is None else step.valid
         axes = glue.batch_norm_reduction_axes(layer)
         return _global_moments(context, inputs, axes, valid)
 
@@ -78,9 +83,6 @@ def _all_reduce_sum(context, value):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, local), grad
 
     return reduce(value)
-
-
-REPLICA_STATE = threading.local()
 
 
 def expand_like(vector, tensor):

@@ -11,7 +11,7 @@ Here a variable creator sets one where Keras leaves none: MEAN for
 floating-point variables, ONLY_FIRST_REPLICA for the others (integer
 counters and seed states, which every replica updates alike).
 
-The step is MirroredStrategy's exact one (`data_parallel.MirroredEngine`:
+The step is MirroredStrategy's exact one (`mirrored.MirroredEngine`:
 each replica's loss weighted by its share of the global batch, gradients
 all-reduced, global-batch BatchNormalization): once gradients are summed,
 every replica holds the same global gradient, so the first replica alone
@@ -25,11 +25,11 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_dist._src.backends.tensorflow.data_parallel import MirroredEngine
 from keras_dist._src.backends.tensorflow.devices import tf_device_name
 from keras_dist._src.backends.tensorflow.inputs import (
     distribute_global_batches,
 )
+from keras_dist._src.backends.tensorflow.mirrored import MirroredEngine
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.keras_glue import internals as glue
 

@@ -28,10 +28,10 @@ from tensorflow.python.distribute import (
 )
 from tensorflow.python.distribute import distribute_lib
 
-from keras_dist._src.backends.tensorflow.data_parallel import MirroredEngine
 from keras_dist._src.backends.tensorflow.inputs import (
     distribute_global_batches,
 )
+from keras_dist._src.backends.tensorflow.mirrored import MirroredEngine
 from keras_dist._src.cluster.environments import ClusterConfigError
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.core import policies
@@ -152,15 +152,13 @@ class MultiWorkerEngine(MirroredEngine):
     """`MirroredEngine` over a tf.distribute MultiWorkerMirroredStrategy."""
 
     def __init__(self, devices, sync_batch_norm: bool, runtime, options):
-        # No MirroredStrategy of its own: the multi-worker one replaces it.
+        # No MirroredStrategy of its own: the multi-worker one replaces it,
+        # created by the runtime (tf.distribute must configure its
+        # collective ops before TensorFlow initialises, before devices are
+        # listed).
+        super().__init__(devices, sync_batch_norm, runtime.tf_strategy)
         self.input_options = options
-        self.devices = tuple(devices)
-        self.sync_batch_norm = sync_batch_norm
         self.runtime = runtime
-        # Created by the runtime: tf.distribute must configure its collective
-        # ops before TensorFlow initialises (before devices are listed).
-        self.tf_strategy = runtime.tf_strategy
-        self._warned = False
         _check_same_device_count(self.tf_strategy, runtime)
 
     def prepare_call(self, name, method, args, kwargs):

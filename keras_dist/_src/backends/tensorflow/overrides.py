@@ -23,9 +23,11 @@ over the part's samples (a sum, a masked mean over timesteps), gradients
 changed by hand before `apply`, and logs returned without a metric (they
 are the first replica's) are not exact.
 
-The replacements are installed once on the instances and dispatch on
-thread-local state: tf.distribute switches replica threads at every
-collective, so nothing may be set and restored around one.
+The replacements are installed once on the instances and dispatch on the
+replica's `step_context.StepContext` (its `override_share` set while the
+user's step runs), found by replica context: tf.distribute switches
+replica threads at every collective, so nothing process-wide may be set
+and restored around one (see `step_context`).
 """
 
 from __future__ import annotations
@@ -34,30 +36,39 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from keras_dist._src.backends.tensorflow.batch_norm import REPLICA_STATE
+from keras_dist._src.backends.tensorflow import step_context
+from keras_dist._src.backends.tensorflow.gradients import (
+    apply_global_gradients,
+)
 from keras_dist._src.keras_glue import internals as glue
 
 _INSTALLED = "_keras_dist_override_dispatch"
 _INSTALLED_RESULT = "_keras_dist_override_result"
 
 
-def run_override_step(model, data, local_count, global_count, training):
+def run_override_step(model, data, step, training):
     """Runs the model's own `train_step` (or `test_step`) on this
-    replica's real samples, with one device's semantics (module doc)."""
+    replica's real samples, with one device's semantics (module doc);
+    `step` is the replica's `StepContext`."""
     share = tf.math.divide_no_nan(
-        tf.cast(local_count, "float32"), tf.cast(global_count, "float32")
+        tf.cast(step.local_count, "float32"),
+        tf.cast(step.global_count, "float32"),
     )
     _install(model)
-    REPLICA_STATE.override = (tf.distribute.get_replica_context(), share)
+    step.override_share = share
     try:
-        step = model.train_step if training else model.test_step
-        return step(data)
+        user_step = model.train_step if training else model.test_step
+        return user_step(data)
     finally:
-        REPLICA_STATE.override = None
+        step.override_share = None
 
 
 def _active():
-    return getattr(REPLICA_STATE, "override", None)
+    """(replica context, share) in an overridden step, else None."""
+    step = step_context.current()
+    if step is None or step.override_share is None:
+        return None
+    return step.replica, step.override_share
 
 
 def _install(model) -> None:
@@ -178,10 +189,6 @@ def _optimizer_apply(optimizer):
         state = _active()
         if state is None:
             return original(grads, trainable_variables)
-        from keras_dist._src.backends.tensorflow.data_parallel import (
-            apply_global_gradients,
-        )
-
         context, share = state
         if trainable_variables is None:
             trainable_variables = glue.optimizer_trainable_variables(optimizer)

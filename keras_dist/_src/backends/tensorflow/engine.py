@@ -1,0 +1,382 @@
+"""The TensorFlow engine: keras_dist's exact step over any tf.distribute
+strategy that runs one replica per device (Mirrored, MultiWorkerMirrored,
+CentralStorage).
+
+`ReplicaEngine` holds the glue every such strategy needs: `run`,
+`reduce`, `gather` and distributed datasets on its `tf.distribute`
+strategy, the check that the model's variables were created in the scope,
+and the step functions it installs on the model: Keras's TF trainer's
+`make_train_function`/`make_test_function` replaced by keras_dist's exact
+per-replica step (`replica_step`: global loss denominators, masked means,
+own losses, one device's Dropout, the optimizer on global gradients),
+`steps_per_execution` run step by step with the random generators' states
+kept, `train_on_batch`/`predict_on_batch` batches split like global ones,
+and Keras's symbolic build read from the input's element spec.
+
+A policy is a subclass that builds its strategy and says what its layers
+see (`prepare_layer`): `mirrored.MirroredEngine` (BatchNormalization over
+the global batch), `multi_worker.MultiWorkerEngine`,
+`central_storage.CentralStorageEngine`; `one_device.OneDeviceEngine`
+keeps Keras's own step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from keras_dist._src.backends.tensorflow.inputs import (
+    BATCH_KEY,
+    GLOBAL_COUNT_KEY,
+    LOCAL_COUNT_KEY,
+    distribute_iterable,
+)
+from keras_dist._src.backends.tensorflow.replica_step import (
+    exact_step,
+    global_dropout,
+    override_step,
+)
+from keras_dist._src.errors import VariablesOutsideScopeError
+from keras_dist._src.keras_glue import internals as glue
+from keras_dist._src.values import PerReplica, ReduceOp
+
+
+class ReplicaEngine:
+    """keras_dist's exact step on the tf.distribute strategy `tf_strategy`.
+
+    Args:
+        devices: this process's devices (keras_dist names), one replica
+            each.
+        tf_strategy: the `tf.distribute.Strategy` the replicas run on.
+    """
+
+    devices: tuple
+
+    def __init__(self, devices, tf_strategy):
+        self.devices = tuple(devices)
+        self.tf_strategy = tf_strategy
+        self._warned = False
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas over all workers."""
+        return self.tf_strategy.num_replicas_in_sync
+
+    def scope(self):
+        """The strategy's scope: variables created in it are distributed."""
+        return self.tf_strategy.scope()
+
+    def call_scope(self):
+        """The scope fit/evaluate/predict run in."""
+        return self.tf_strategy.scope()
+
+    def prepare_call(self, name, method, args, kwargs):
+        """The arguments of `name` (fit, evaluate, ...) unchanged."""
+        return args, kwargs
+
+    def prepare_layer(self, layer) -> None:
+        """A policy's hook: configures one layer of an attached model."""
+
+    def attach(self, model) -> None:
+        """Checks that `model` was built in the scope; installs the steps."""
+        strategy = glue.tf_distribute_strategy(model)
+        if strategy is not self.tf_strategy:
+            raise VariablesOutsideScopeError(
+                f"Model {model.name!r} was created outside strategy.scope(), "
+                "so its variables are not mirrored. Create the model (not "
+                "only compile it) inside `with strategy.scope():`."
+            )
+        # Saving builds reference objects with variables: made distributed
+        # here, they would need a collective that a chief-only save (a
+        # callback's) makes alone.
+        glue.cache_saving_attr_skipsets()
+        extended = self.tf_strategy.extended
+        for variable in model.variables:
+            if not extended.variable_created_in_scope(variable.value):
+                raise VariablesOutsideScopeError(
+                    f"Variable {variable.path!r} of model {model.name!r} was "
+                    "created outside strategy.scope(). Build the model and "
+                    "all its layers inside the scope."
+                )
+        for layer in glue.flatten_layers(model):
+            self.prepare_layer(layer)
+            if type(layer) is keras.layers.Dropout:
+                if "call" not in layer.__dict__:
+                    layer.__dict__["call"] = global_dropout(layer)
+                model.__dict__["_keras_dist_dropout"] = True
+        self._install_steps(model)
+
+    def run(self, fn, args, kwargs):
+        """`fn` once per replica (`tf.distribute.Strategy.run`)."""
+        return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
+
+    def reduce(self, op, value, axis):
+        """`value`'s replicas reduced with `op` (and over `axis`)."""
+        if isinstance(value, PerReplica):
+            value = self._to_distributed(value)
+        tf_op = tf.distribute.ReduceOp[ReduceOp.from_any(op).value]
+        return self.tf_strategy.reduce(tf_op, value, axis=axis)
+
+    def gather(self, value, axis):
+        """`value`'s replicas concatenated along `axis`."""
+        if isinstance(value, PerReplica):
+            value = self._to_distributed(value)
+        return self.tf_strategy.gather(value, axis=axis)
+
+    def local_results(self, value):
+        """The values of `value` on this process's replicas."""
+        return tuple(self.tf_strategy.experimental_local_results(value))
+
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
+    def distribute_dataset(self, dataset):
+        """`dataset` split across the replicas, each global batch exactly."""
+        if isinstance(dataset, tf.data.Dataset):
+            return self.tf_strategy.experimental_distribute_dataset(dataset)
+        return distribute_iterable(self, dataset)
+
+    def _to_distributed(self, per_replica):
+        values = per_replica.values
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: values[ctx.replica_id_in_sync_group]
+        )
+
+    def _install_steps(self, model) -> None:
+        cls = type(model)
+        trainer = glue.tensorflow_trainer()
+        custom_train = cls.train_step is not trainer.train_step
+        custom_test = cls.test_step is not trainer.test_step
+        engine = self
+
+        def make_step_function(attribute, training, custom):
+            def make(force=False):
+                if getattr(model, attribute) is not None and not force:
+                    return getattr(model, attribute)
+
+                def step(data):
+                    if custom:  # the model's own train_step or test_step
+                        return override_step(model, data, training)
+                    return exact_step(model, data, training=training)
+
+                function = _split_single_batches(
+                    engine, model, _make_function(model, step)
+                )
+                setattr(model, attribute, function)
+                return function
+
+            return make
+
+        make_train_function = make_step_function(
+            "train_function", True, custom_train
+        )
+        make_test_function = make_step_function(
+            "test_function", False, custom_test
+        )
+
+        def make_predict_function(force=False):
+            if model.predict_function is not None and not force:
+                return model.predict_function
+            trainer.make_predict_function(model, force=True)
+            inner = model.predict_function
+
+            def predict_function(data):
+                # `predict_on_batch` passes `[(x,)]` with the whole batch,
+                # which tf.distribute would hand to every replica (N times
+                # the rows): split it like a global batch first.
+                return inner([engine._distribute_batch(d) for d in data])
+
+            model.predict_function = predict_function
+            return predict_function
+
+        def maybe_symbolic_build(iterator=None, data_batch=None):
+            # Keras builds metrics and optimizer variables here, from shapes
+            # only. Its own version takes a batch from the distributed input
+            # (consuming batches of a generator, and losing those the
+            # iterator had prefetched) and sums the replicas' parts (which
+            # fails when they differ in size). The input's element spec has
+            # all the shapes and dtypes needed, without reading any data.
+            if iterator is not None:
+                data_batch = glue.epoch_iterator_element_spec(iterator)
+            with engine.tf_strategy.scope():
+                if not (custom_train or custom_test):
+                    glue.symbolic_build(model, data_batch)
+                    return
+                # An overridden step's batch need not be the model's input
+                # (a GAN's real samples and noise): build what Keras builds
+                # if the batch fits, else the optimizer (its variables may
+                # not be created inside the replicated step).
+                try:
+                    glue.symbolic_build(model, data_batch)
+                except (ValueError, TypeError):
+                    optimizer = model.optimizer
+                    if optimizer is not None and not optimizer.built:
+                        optimizer.build(model.trainable_variables)
+
+        model.__dict__["make_train_function"] = make_train_function
+        model.__dict__["make_test_function"] = make_test_function
+        model.__dict__["make_predict_function"] = make_predict_function
+        model.predict_function = None
+        glue.replace_maybe_symbolic_build(model, maybe_symbolic_build)
+        model.train_function = None
+        model.test_function = None
+
+    def _distribute_counted_batch(self, batch):
+        """Per-replica parts of a global `batch` in the padded form of
+        keras_dist's own split (`distribute_global_batches`): each part
+        with the global and its own sample count, an empty part as one
+        zero sample."""
+        from keras_dist._src.core.shards import split_batch
+
+        batch = tree.map_structure(
+            lambda t: None if t is None else np.asarray(t), batch
+        )
+        first = next(t for t in tree.flatten(batch) if t is not None)
+        count = np.int32(np.shape(first)[0])
+        parts = []
+        for part in split_batch(batch, self.num_replicas_in_sync):
+            leaves = [t for t in tree.flatten(part) if t is not None]
+            local = np.int32(np.shape(leaves[0])[0])
+            if local == 0:
+                part = tree.map_structure(
+                    lambda t: (
+                        None
+                        if t is None
+                        else np.zeros((1,) + t.shape[1:], t.dtype)
+                    ),
+                    part,
+                )
+            parts.append(
+                {
+                    BATCH_KEY: part,
+                    GLOBAL_COUNT_KEY: count,
+                    LOCAL_COUNT_KEY: local,
+                }
+            )
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: tree.map_structure(
+                lambda t: None if t is None else tf.convert_to_tensor(t),
+                parts[ctx.replica_id_in_sync_group],
+            )
+        )
+
+    def _distribute_batch(self, batch):
+        """Per-replica parts of a global `batch`; distributed input as is."""
+        leaves = tf.nest.flatten(batch)
+        if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
+            return batch
+        from keras_dist._src.core.shards import split_batch
+
+        batch = tree.map_structure(
+            lambda t: None if t is None else np.asarray(t), batch
+        )
+        parts = split_batch(batch, self.num_replicas_in_sync)
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: tree.map_structure(
+                lambda t: None if t is None else tf.convert_to_tensor(t),
+                parts[ctx.replica_id_in_sync_group],
+            )
+        )
+
+    def _warn(self, message):
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, stacklevel=4)
+
+
+def _split_single_batches(engine, model, function):
+    """`train_on_batch` and `test_on_batch` hand Keras's step function a
+    generator of one whole batch, which tf.distribute would give to every
+    replica (N copies of the batch: exact for the gradient of a mean loss,
+    but not for Dropout's mask, drawn for N times the rows): split it like
+    a global batch of `fit` first.
+
+    The step's logs are then one replica's view of the metrics (its own
+    part's); Keras resets the metrics before these calls, so the metrics'
+    results read here, summed over replicas, are the batch's logs."""
+
+    def split(iterator):
+        if isinstance(
+            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+        ):
+            return function(iterator)
+        iterator = iter([engine._distribute_counted_batch(d) for d in iterator])
+        logs = function(iterator)
+        if not isinstance(logs, dict):
+            return logs
+        results = model.get_metrics_result()
+        return {key: results.get(key, value) for key, value in logs.items()}
+
+    return split
+
+
+def _make_function(model, step):
+    """Keras's step function; with `steps_per_execution` > 1, one traced
+    step called that many times.
+
+    Keras runs several steps in one `tf.while_loop` whose body reads the
+    next input with `get_next_as_optional` inside a `tf.cond`; with a
+    distributed iterator of tf.distribute's rebatched input the traced
+    graph leaves a placeholder unfed ("You must feed a value for
+    placeholder tensor 'while/cond/Placeholder'"). Here each step is its
+    own call (a host round trip per step instead of per execution).
+    """
+    executions = model.steps_per_execution
+    if executions <= 1:
+        return glue.make_function(model, step)
+    traced = glue.make_function(model, step)
+
+    def single(iterator):
+        # Keras reads `steps_per_execution` when it traces the function.
+        model.steps_per_execution = 1
+        try:
+            return traced(iterator)
+        finally:
+            model.steps_per_execution = executions
+
+    def function(iterator):
+        if not isinstance(
+            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+        ):  # train_on_batch and test_on_batch: one batch
+            return single(iterator)
+        outputs = None
+        for index in range(executions):
+            # A call past the input's end still runs the step's ops that
+            # do not wait for data: the random generators' advance (the
+            # epochs after a shorter last execution drew other Dropout
+            # masks than one device). Their states are put back then.
+            saved = _seed_states(model) if index else None
+            try:
+                outputs = single(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if outputs is None:
+                    raise
+                for variable, value in saved or ():
+                    variable.assign(value)
+                break
+        return outputs
+
+    return function
+
+
+def _seed_states(model):
+    """(variable, value) of the state of every random generator a step of
+    `model` may advance: its layers' and Keras's global one."""
+    generators = []
+    for layer in glue.flatten_layers(model, include_self=True):
+        generators.extend(glue.layer_seed_generators(layer))
+    generators.append(glue.global_seed_generator())
+    seen, states = set(), []
+    for generator in generators:
+        state = getattr(generator, "state", None)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        states.append((state, tf.identity(glue.variable_value(state))))
+    return states
