@@ -506,7 +506,8 @@ def main(argv=None) -> int:
             "set (and TF_CONFIG on TensorFlow). Prefixes output lines with "
             "the rank, forwards SIGINT/SIGTERM/SIGUSR1, and exits non-zero "
             "(the failed worker's code) when any worker fails, stopping the "
-            "rest."
+            "rest. With --ps N --workers M: a whole ParameterServerStrategy "
+            "job on this host (TensorFlow; guides/parameter_server.md)."
         ),
     )
     node_launcher.add_arguments(launch)

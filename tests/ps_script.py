@@ -6,6 +6,34 @@ import json
 import os
 import sys
 
+
+def _launched_task():
+    """A ps or worker task that `keras-dist launch --ps` started for the
+    `launched` scenario: its pid on disk (the chief kills tasks by pid),
+    then TensorFlow's server, with TensorFlow only (as `local_cluster`'s
+    tasks: importing Keras too doubles a task's start on a busy host)."""
+    config = json.loads(os.environ["TF_CONFIG"])
+    task = config["task"]
+    name = f"{task['type']}{task['index']}.pid"
+    with open(os.path.join(sys.argv[2], name), "w") as f:
+        f.write(str(os.getpid()))
+    import tensorflow as tf
+
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(config["cluster"]),
+        job_name=task["type"],
+        task_index=int(task["index"]),
+        protocol="grpc",
+        start=True,
+    )
+    server.join()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["launched"]:
+    _TASK = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    if _TASK.get("type") in ("ps", "worker"):
+        _launched_task()
+
 os.environ["KERAS_BACKEND"] = "tensorflow"
 
 import keras  # noqa: E402
@@ -65,7 +93,7 @@ def one_worker():
     expected = reference.fit(
         x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0
     )
-    return {
+    out = {
         "weights_rel": max_rel(model.get_weights(), reference.get_weights()),
         "loss": history.history["loss"],
         "loss_expected": expected.history["loss"],
@@ -77,6 +105,30 @@ def one_worker():
             [reference.predict(x, batch_size=10, verbose=0)],
         ),
     }
+    # class_weight and validation_split (the last quarter held out), as
+    # Keras's own fit does them: 0/1 labels, class 1 weighing 3.
+    labels = (x.sum(axis=1, keepdims=True) > 2).astype("float32")
+    with strategy.scope():
+        weighted = build()
+    reference = build()
+    reference.set_weights(weighted.get_weights())
+    kwargs = dict(
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        class_weight={0: 1.0, 1: 3.0},
+        validation_split=0.25,
+        verbose=0,
+    )
+    history = weighted.fit(x, labels, **kwargs)
+    expected = reference.fit(x, labels, **kwargs)
+    out["weighted"] = {
+        "weights_rel": max_rel(weighted.get_weights(), reference.get_weights()),
+        "iterations": int(weighted.optimizer.iterations.numpy()),
+        **{k: history.history[k] for k in ("loss", "val_loss")},
+        **{f"{k}_expected": expected.history[k] for k in ("loss", "val_loss")},
+    }
+    return out
 
 
 def two_workers():
@@ -114,6 +166,48 @@ def two_workers():
     out["iterations_after"] = int(model.optimizer.iterations.numpy())
     out["history_epochs"] = len(history.history["loss"])
 
+    # Each worker reads its own part of the input: sample i goes to
+    # worker i % 2, from NumPy, from a tf.data dataset (batch i to worker
+    # i % 2) and from a dataset function sharding by its InputContext.
+    seen_model = _seen_model(strategy)
+    ids = np.arange(N, dtype="float32")[:, None]
+
+    def sharded_fn(context):
+        return (
+            tf.data.Dataset.from_tensor_slices((ids, ids))
+            .shard(context.num_input_pipelines, context.input_pipeline_id)
+            .repeat()
+            .batch(8)
+        )
+
+    def owner(i, name):
+        return (i // 8) % 2 if name == "dataset" else i % 2
+
+    parts = {}
+    for name, fit in {
+        "numpy": lambda: seen_model.fit(ids, ids, batch_size=8, verbose=0),
+        "dataset": lambda: seen_model.fit(
+            tf.data.Dataset.from_tensor_slices((ids, ids)).batch(8),
+            verbose=0,
+        ),
+        "function": lambda: seen_model.fit(
+            sharded_fn, steps_per_epoch=8, verbose=0
+        ),
+    }.items():
+        before = seen_model.seen.numpy()
+        fit()
+        seen = seen_model.seen.numpy() - before
+        parts[name] = {
+            "per_worker": seen.sum(axis=1).tolist(),
+            # samples read by another worker than their own (a batched
+            # tf.data dataset is sharded by batches: of 8 samples)
+            "foreign": float(
+                sum(seen[1 - owner(i, name), i] for i in range(N))
+            ),
+            "count": float(seen_model.metrics_variables[1].numpy()),
+        }
+    out["parts"] = parts
+
     # A train_step override runs as written (here: counting its calls in
     # a variable of its own, exact too).
     class Counting(keras.Sequential):
@@ -145,16 +239,34 @@ def two_workers():
         "iterations": int(chunked.optimizer.iterations.numpy()),
         "count": float(chunked.metrics_variables[1].numpy()),
     }
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            part = slice(index * BATCH, (index + 1) * BATCH)
+            return x[part], y[part]
+
     errors = {}
     for name, call in {
         "endless": lambda: model.fit(dataset.repeat(), epochs=1, verbose=0),
         "function": lambda: model.fit(dataset_fn, epochs=1, verbose=0),
+        "pydataset": lambda: model.fit(Batches(), epochs=1, verbose=0),
+        "split_dataset": lambda: model.fit(
+            dataset, validation_split=0.25, verbose=0
+        ),
     }.items():
         try:
             call()
             errors[name] = None
-        except ValueError as error:
+        except (ValueError, NotImplementedError) as error:
             errors[name] = str(error)
+    # evaluate on the chief takes a PyDataset
+    out["evaluate_pydataset"] = model.evaluate(Batches(), verbose=0)
+    out["evaluate_pydataset_expected"] = model.evaluate(
+        x, y, batch_size=BATCH, verbose=0
+    )
     out["errors"] = errors
     # evaluate/predict on the chief equal plain Keras on the same weights.
     reference = build()
@@ -221,6 +333,39 @@ def two_workers():
         except keras_dist.KerasDistError as error:
             out["embedding_error"] = str(error)
     return out
+
+
+def _seen_model(strategy):
+    """A model whose train_step counts, per worker, the samples it reads
+    (feature 0 is the sample's index) in an (workers, N) variable."""
+    import tensorflow as tf
+
+    from keras_dist._src.keras_glue.internals import variable_value
+
+    class Seen(keras.Sequential):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = self.add_weight(
+                shape=(2, N), initializer="zeros", trainable=False, name="seen"
+            )
+
+        def train_step(self, data):
+            index = tf.cast(data[0][:, 0], "int32")
+            worker = tf.distribute.coordinator
+            worker = tf.cast(
+                worker.experimental_get_current_worker_index(), "int32"
+            )
+            where = tf.stack([tf.fill(tf.shape(index), worker), index], axis=1)
+            # one atomic scatter-add on the ps
+            variable_value(self.seen).scatter_nd_add(
+                where, tf.ones(tf.shape(index), "float32")
+            )
+            return super().train_step(data)
+
+    with strategy.scope():
+        model = Seen([keras.Input((1,)), keras.layers.Dense(1)], name="seen")
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
 
 
 def killed_worker():
@@ -327,8 +472,65 @@ def same_script():
             task.wait()
 
 
+def launched():
+    """The chief of a `keras-dist launch --ps 1 --workers 2` job (argv: the
+    job's directory): worker 1 is killed as epoch 1 begins (tolerated), ps
+    0 as epoch 2 begins (the launcher ends the job); Keras's
+    BackupAndRestore has saved epochs 0 and 1 by then."""
+    strategy = keras_dist.ParameterServerStrategy()  # TF_CONFIG: the chief
+    print("STRATEGY " + repr(strategy), flush=True)
+    return _fit_with_backup(strategy, sys.argv[2], kill=True)
+
+
+def resume():
+    """The restarted job (argv: the directory of `launched`'s job), here
+    with an in-process cluster of 1 worker and 1 ps: the same fit resumes
+    at epoch 2."""
+    strategy = keras_dist.ParameterServerStrategy(ps.in_process_cluster(1, 1))
+    return _fit_with_backup(strategy, sys.argv[2], kill=False)
+
+
+def _fit_with_backup(strategy, directory, kill):
+    import signal
+    import time
+
+    x, y = data()
+    with strategy.scope():
+        model = build()
+
+    def kill_task(name):
+        with open(os.path.join(directory, name + ".pid")) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+
+    class Faults(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if kill and epoch == 1:
+                kill_task("worker1")
+            if kill and epoch == 2:
+                kill_task("ps0")
+                time.sleep(60)  # the launcher stops the job meanwhile
+
+    backup = keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"))
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=4,
+        steps_per_epoch=20,
+        callbacks=[backup, Faults()],
+        verbose=0,
+    )
+    return {
+        "epochs": history.epoch,
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "backup_left": os.path.exists(os.path.join(directory, "backup")),
+    }
+
+
 if __name__ == "__main__":
     result = {
+        "launched": launched,
+        "resume": resume,
         "one_worker": one_worker,
         "two_workers": two_workers,
         "killed_worker": killed_worker,

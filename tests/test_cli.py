@@ -107,3 +107,63 @@ def test_doctor_says_what_a_local_job_listens_on():
         assert "rank 0: " in listens
         assert "on 127.0.0.1:29999" in listens  # localhost: loopback
         assert "0.0.0.0" not in listens and "every interface" not in listens
+
+
+def test_launch_ps_options_and_task_environments():
+    # `keras-dist launch --ps N --workers M`: the options, and the TF_CONFIG
+    # of every task of the one-host job (no process started here).
+    import argparse
+
+    from keras_dist._src.cluster import node_launcher
+    from keras_dist._src.cluster.parameter_server import ps_task_environments
+
+    parser = argparse.ArgumentParser()
+    node_launcher.add_arguments(parser)
+
+    def config(*argv):
+        return node_launcher.config_from_args(parser.parse_args(argv))
+
+    job = config("--ps", "2", "--workers", "3", "train.py", "--epochs", "1")
+    assert (job.ps, job.workers) == (2, 3)
+    assert job.command == ["train.py", "--epochs", "1"]
+    job.check()
+    for argv in (
+        ("--ps", "1", "t.py"),
+        ("--workers", "2", "t.py"),
+        ("--ps", "1", "--workers", "1", "--nproc-per-node", "2", "t.py"),
+    ):
+        with pytest.raises(ValueError, match="--ps"):
+            config(*argv).check()
+    tasks = ps_task_environments(
+        3, 2, base={"RANK": "0", "WORLD_SIZE": "4", "PATH": "/bin"}
+    )
+    assert [(kind, index) for kind, index, _ in tasks] == [
+        ("ps", 0),
+        ("ps", 1),
+        ("worker", 0),
+        ("worker", 1),
+        ("worker", 2),
+        ("chief", 0),
+    ]
+    configs = [json.loads(env["TF_CONFIG"]) for *_, env in tasks]
+    cluster = configs[0]["cluster"]
+    assert {k: len(v) for k, v in cluster.items()} == {
+        "chief": 1,
+        "worker": 3,
+        "ps": 2,
+    }
+    assert all(c["cluster"] == cluster for c in configs)
+    assert [(c["task"]["type"], c["task"]["index"]) for c in configs] == [
+        (kind, index) for kind, index, _ in tasks
+    ]
+    addresses = [a for kind in cluster.values() for a in kind]
+    assert len(set(addresses)) == 6  # a free port each, on loopback
+    assert all(a.startswith("127.0.0.1:") for a in addresses)
+    for *_, env in tasks:  # not torchrun peers; TensorFlow; PATH kept
+        assert "RANK" not in env and "WORLD_SIZE" not in env
+        assert env["KERAS_BACKEND"] == "tensorflow"
+        assert env["PATH"] == "/bin"
+    with pytest.raises(ValueError, match="TensorFlow only"):
+        ps_task_environments(1, 1, base={"KERAS_BACKEND": "jax"})
+    with pytest.raises(ValueError, match="--workers >= 1"):
+        ps_task_environments(0, 1, base={})

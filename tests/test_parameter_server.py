@@ -26,13 +26,13 @@ tf_only = pytest.mark.skipif(
 )
 
 
-def _run(scenario, timeout=240):
+def _run(scenario, timeout=240, extra=()):
     env = dict(os.environ)
     env.pop("KERAS_DIST_CPU_DEVICES", None)
     env.pop("TF_CONFIG", None)
     env["KERAS_BACKEND"] = "tensorflow"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), scenario],
+        [sys.executable, str(SCRIPT), scenario, *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -63,6 +63,12 @@ def test_one_worker_equals_one_device():
     assert out["iterations"] == 12  # 3 epochs of 64 samples in batches of 16
     assert out["evaluate"] == pytest.approx(out["evaluate_expected"], 1e-6)
     assert out["predict_rel"] <= 1e-6
+    # class_weight and validation_split: Keras's own results.
+    weighted = out["weighted"]
+    assert weighted["iterations"] == 6  # 48 training samples, 2 epochs
+    assert weighted["weights_rel"] <= 1e-5
+    for key in ("loss", "val_loss"):
+        assert weighted[key] == pytest.approx(weighted[f"{key}_expected"], 1e-5)
 
 
 @tf_only
@@ -89,6 +95,18 @@ def test_two_workers_counters_and_metrics_exact(two_workers):
 @tf_only
 @pytest.mark.slow
 @pytest.mark.multi_process
+def test_each_worker_reads_its_own_part_of_the_input(two_workers):
+    parts = two_workers["parts"]
+    # 64 samples in batches of 8: one epoch is 8 steps over both workers.
+    for name in ("numpy", "dataset", "function"):
+        part = parts[name]
+        assert part["foreign"] == 0.0, (name, part)
+        assert sum(part["per_worker"]) == part["count"] == 64.0, (name, part)
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
 def test_two_workers_evaluate_exact_and_errors(two_workers):
     assert two_workers["evaluate"] == pytest.approx(
         two_workers["evaluate_expected"], rel=1e-6
@@ -99,6 +117,12 @@ def test_two_workers_evaluate_exact_and_errors(two_workers):
     assert "variable_partitioner" in two_workers["embedding_error"]
     assert "embedding" in two_workers["embedding_error"]
     assert "ShardedEmbedding" in two_workers["embedding_error"]
+    assert "tf.data.Dataset" in errors["pydataset"]
+    assert "evaluate" in errors["pydataset"]  # ... accept a PyDataset
+    assert "validation_data" in errors["split_dataset"]
+    assert two_workers["evaluate_pydataset"] == pytest.approx(
+        two_workers["evaluate_pydataset_expected"], rel=1e-6
+    )
 
 
 @tf_only
@@ -156,6 +180,48 @@ def test_killed_worker_is_tolerated():
     assert out["iterations"] >= out["scheduled"]
     # Then a ps task is killed: fit ends with keras_dist's clear error.
     assert "lost a ps task" in out["ps_error"]
+
+
+@tf_only
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_launch_ps_job_lost_ps_ends_it_and_backup_resumes(tmp_path):
+    # keras-dist launch --ps 1 --workers 2: chief + 2 workers + 1 ps on
+    # loopback. Worker 1 killed as epoch 1 begins (tolerated), ps 0 as
+    # epoch 2 begins: the launcher ends the job with the ps task's code.
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KERAS_DIST_CPU_DEVICES", None)
+    env.pop("TF_CONFIG", None)
+    launch = [sys.executable, "-m", "keras_dist.cli", "launch"]
+    first = subprocess.run(
+        launch
+        + ["--ps", "1", "--workers", "2", str(SCRIPT), "launched"]
+        + [str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    log = f"{first.stdout[-3000:]}\n{first.stderr[-3000:]}"
+    assert first.returncode == 128 + 9, log
+    assert "[chief] STRATEGY ParameterServerStrategy(workers=2, ps=1)" in (
+        first.stdout
+    ), log
+    assert "worker task 1 was killed by SIGKILL; tolerated" in first.stderr
+    assert "ps task 0 was killed by SIGKILL: the variables it held are " in (
+        first.stderr
+    )
+    assert "BackupAndRestore" in first.stderr
+    metadata = tmp_path / "backup" / "training_metadata.json"
+    assert json.loads(metadata.read_text())["epoch"] == 2  # epochs 0, 1
+    # The job restarted (a new cluster: 1 worker, 1 ps): fit resumes at
+    # epoch 2 and runs epochs 2 and 3 only.
+    out = _run("resume", extra=[str(tmp_path)])
+    assert out["epochs"] == [2, 3]
+    # 4 epochs of 20 steps (a step retried after worker 1 died may count
+    # twice: TF's at-least-once retries)
+    assert out["iterations"] >= 80
+    assert not out["backup_left"]  # Keras deletes it when fit completes
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="the error of JAX/torch")

@@ -11,6 +11,9 @@ that worker's code. Workers that stop for preemption (exit code
 for the others and exits with that code, so a scheduler can requeue.
 Workers die with the launcher, also when it is killed with SIGKILL (the
 OOM killer, ``timeout -s KILL``): see `launcher.spawn`.
+
+``--ps N --workers M`` starts a whole parameter-server job on this host
+instead (`parameter_server.launch_ps`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     cpu_devices_per_process: int | None = None
+    #: ``--ps N``: a parameter-server job (`parameter_server.launch_ps`).
+    ps: int = 0
+    workers: int | None = None
 
     def check(self) -> None:
         """Raises ValueError for options that cannot start a job."""
@@ -61,6 +67,19 @@ class LaunchConfig:
             raise ValueError(
                 f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}."
             )
+        if self.ps or self.workers is not None:
+            if self.ps < 1 or (self.workers or 0) < 1:
+                raise ValueError(
+                    "A parameter-server job needs both --ps N and "
+                    "--workers M (N, M >= 1)."
+                )
+            if self.nnodes > 1 or self.nproc_per_node > 1:
+                raise ValueError(
+                    "--ps/--workers start a whole parameter-server job on "
+                    "this host; they do not combine with --nnodes or "
+                    "--nproc-per-node. On several hosts, start each task "
+                    "with its own TF_CONFIG (guides/parameter_server.md)."
+                )
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError(
                 "--master-port is needed with --nnodes > 1: every node must "
@@ -131,6 +150,12 @@ def launch(config: LaunchConfig) -> int:
     """Starts this node's workers, supervises them and returns the exit
     code: 0 when all succeed, else the first failure's code."""
     config.check()
+    if config.ps:
+        from keras_dist._src.cluster.parameter_server import launch_ps
+
+        return launch_ps(
+            config.command, config.workers, config.ps, config.master_addr
+        )
     command = list(config.command)
     if command[0].endswith(".py"):
         command = [sys.executable, "-u"] + command
@@ -226,6 +251,21 @@ def add_arguments(parser) -> None:
         default=None,
         help="simulate this many CPU devices in each worker (JAX, TF)",
     )
+    parser.add_argument(
+        "--ps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a ParameterServerStrategy job on this host: N ps "
+        "tasks, --workers worker tasks and the chief (TensorFlow)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="M",
+        help="worker tasks of a --ps job",
+    )
     parser.add_argument("script", help="the training script (or program)")
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="its arguments"
@@ -242,4 +282,6 @@ def config_from_args(args) -> LaunchConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
         cpu_devices_per_process=args.cpu_devices_per_process,
+        ps=args.ps,
+        workers=args.workers,
     )

@@ -3,7 +3,9 @@
 Under `ParameterServerStrategy` only the chief runs the training script's
 logic; worker and ps tasks run a `tf.distribute.Server` and wait for the
 chief's work (`serve`). `local_cluster` starts such tasks as subprocesses
-of this host on free loopback ports (tests, trying things out).
+of this host on free loopback ports (tests, trying things out), and
+`launch_ps` (``keras-dist launch --ps N --workers M``) runs and
+supervises a whole job on this host: chief, workers and ps tasks.
 """
 
 from __future__ import annotations
@@ -201,3 +203,307 @@ def in_process_cluster(num_workers: int = 2, num_ps: int = 1) -> dict:
 
 
 _IN_PROCESS_SERVERS: list = []
+
+
+# -- keras-dist launch --ps N --workers M ------------------------------------
+#: torchrun's variables: a parameter-server task is not one of N peers.
+_PEER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def ps_task_environments(
+    num_workers: int, num_ps: int, host: str = "127.0.0.1", base=None
+) -> list:
+    """The tasks of a one-host parameter-server job, without starting any.
+
+    Args:
+        num_workers: worker tasks.
+        num_ps: ps tasks.
+        host: the address every task listens on (loopback by default).
+        base: the environment to start from (default: this process's).
+
+    Returns:
+        ``[(task_type, index, env), ...]``: the ps tasks, the workers, then
+        the chief; each env has ``TF_CONFIG`` (one cluster of free ports on
+        `host`, the task's own type and index) and
+        ``KERAS_BACKEND=tensorflow``.
+
+    Raises:
+        ValueError: for no worker or ps task, or another Keras backend.
+    """
+    from keras_dist._src.cluster.launcher import ENV_LAUNCHED
+    from keras_dist._src.cluster.launcher import free_port as host_port
+
+    if num_workers < 1 or num_ps < 1:
+        raise ValueError(
+            "A parameter-server job needs --workers >= 1 and --ps >= 1; got "
+            f"--workers {num_workers} --ps {num_ps}."
+        )
+    base = dict(os.environ if base is None else base)
+    backend = base.get("KERAS_BACKEND", "tensorflow")
+    if backend != "tensorflow":
+        raise ValueError(
+            f"keras-dist launch --ps starts a ParameterServerStrategy job, "
+            f"which is TensorFlow only, but KERAS_BACKEND={backend}. Unset "
+            "it or set KERAS_BACKEND=tensorflow (on JAX or torch, use "
+            "--nproc-per-node with ModelParallel)."
+        )
+    for name in _PEER_VARIABLES:
+        base.pop(name, None)
+    cluster = {
+        "chief": [f"{host}:{host_port(host)}"],
+        "worker": [f"{host}:{host_port(host)}" for _ in range(num_workers)],
+        "ps": [f"{host}:{host_port(host)}" for _ in range(num_ps)],
+    }
+    tasks = []
+    for kind in ("ps", "worker", "chief"):
+        for index in range(len(cluster[kind])):
+            env = dict(base)
+            env.update(
+                KERAS_BACKEND="tensorflow",
+                PYTHONUNBUFFERED="1",
+                TF_CONFIG=json.dumps(
+                    {"cluster": cluster, "task": {"type": kind, "index": index}}
+                ),
+                **{ENV_LAUNCHED: str(os.getpid())},
+            )
+            tasks.append((kind, index, env))
+    return tasks
+
+
+def _address(env) -> tuple:
+    config = json.loads(env["TF_CONFIG"])
+    task = config["task"]
+    return _split_address(config["cluster"][task["type"]][task["index"]])
+
+
+def _listens(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def launch_ps(
+    command: list,
+    num_workers: int,
+    num_ps: int,
+    host: str = "127.0.0.1",
+    start_timeout: float = 300.0,
+) -> int:
+    """``keras-dist launch --ps N --workers M``: runs a whole
+    parameter-server job on this host and supervises it.
+
+    Starts the ps, worker and chief tasks at once (each runs `command`
+    with its own ``TF_CONFIG``; `serve` or `ParameterServerStrategy()`
+    makes the ps and worker tasks serve, and the chief's strategy waits
+    until they listen). Output lines
+    are prefixed with the task (``[ps 0]``, ``[worker 1]``, ``[chief]``);
+    SIGINT, SIGTERM and SIGUSR1 are forwarded to every task. Then, as
+    tf.distribute's semantics require:
+
+    * a worker that dies is tolerated: the chief's coordinator re-runs its
+      steps on the other workers (the job ends only when no worker is
+      left);
+    * a ps task that dies (its variables are lost) ends the job: every
+      other task is stopped and the ps task's exit code returned;
+    * the chief's exit ends the job with the chief's exit code, stopping
+      the ps and worker tasks (which serve until stopped).
+
+    Args:
+        command: the program and its arguments (a ``.py`` script runs with
+            this Python).
+        num_workers: worker tasks.
+        num_ps: ps tasks.
+        host: the address the tasks listen on.
+        start_timeout: seconds for the ps and worker tasks to listen.
+
+    Returns:
+        The exit code: the chief's, or the failed task's (128 + the signal
+        for a task killed by a signal).
+    """
+    import signal
+    import threading
+
+    from keras_dist._src.cluster.launcher import spawn
+
+    if not command:
+        raise ValueError("Give the script to run: keras-dist launch ...")
+    command = list(command)
+    if command[0].endswith(".py"):
+        command = [sys.executable, "-u"] + command
+    tasks = ps_task_environments(num_workers, num_ps, host)
+    procs, pumps = {}, []
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+    def forward(signum, frame):
+        del frame
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def start(kind, index, env):
+        name = "chief" if kind == "chief" else f"{kind} {index}"
+        proc = spawn(
+            command,
+            env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+        )
+        procs[(kind, index)] = proc
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, f"[{name}] "), daemon=True
+        )
+        pump.start()
+        pumps.append(pump)
+
+    def code_of(returncode):
+        return returncode if returncode > 0 else 128 - returncode
+
+    previous = {s: signal.signal(s, forward) for s in forwarded}
+    try:
+        # All at once (the chief waits until the others listen: see
+        # wait_until_listening), so that their starts overlap.
+        for kind, index, env in tasks:
+            start(kind, index, env)
+        addresses = {(kind, index): _address(env) for kind, index, env in tasks}
+        return _supervise_ps(
+            procs, addresses, num_workers, start_timeout, code_of
+        )
+    finally:
+        _stop_tasks(procs)
+        for pump in pumps:
+            pump.join(5.0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
+    from keras_dist._src.cluster.supervision import describe_exit, log
+
+    lost_workers = set()
+    waiting = {key for key in procs if key[0] != "chief"}
+    deadline = time.monotonic() + start_timeout
+    while True:
+        for key in sorted(waiting):
+            if _listens(*addresses[key]):
+                waiting.discard(key)
+        if waiting and time.monotonic() > deadline:
+            log(
+                f"{sorted(waiting)} did not listen within "
+                f"{start_timeout:.0f} s; stopping the job."
+            )
+            return 1
+        chief = procs[("chief", 0)].poll()
+        if chief is not None:
+            if chief != 0:
+                log(
+                    f"the chief {describe_exit(chief)}; stopping the ps "
+                    "and worker tasks."
+                )
+            return code_of(chief) if chief else 0
+        for (kind, index), proc in procs.items():
+            code = proc.poll()
+            if code is None or kind == "chief":
+                continue
+            if (kind, index) in waiting:
+                log(
+                    f"the {kind} task {index} {describe_exit(code)} before "
+                    "it listened: the job cannot start (see its output "
+                    "above; on ps and worker tasks the script must serve: "
+                    "keras_dist.serve() or keras_dist."
+                    "ParameterServerStrategy()). Stopping the job."
+                )
+                return code_of(code) if code else 1
+            if kind == "ps":
+                log(
+                    f"ps task {index} {describe_exit(code)}: the variables "
+                    "it held are lost, so the job cannot continue "
+                    "(tf.distribute ends a parameter-server job that loses "
+                    "a ps task). Stopping the chief and the workers. "
+                    "Restart the job: a BackupAndRestore callback resumes "
+                    "fit from the last epoch it saved."
+                )
+                return code_of(code) if code else 1
+            if index not in lost_workers:
+                lost_workers.add(index)
+                log(
+                    f"worker task {index} {describe_exit(code)}; tolerated: "
+                    "the chief re-runs its steps on the other workers "
+                    f"({num_workers - len(lost_workers)} of {num_workers} "
+                    "left)."
+                )
+                if len(lost_workers) == num_workers:
+                    log(
+                        "every worker task is gone, so no step can run; "
+                        "stopping the job."
+                    )
+                    return code_of(code) if code else 1
+        time.sleep(0.2)
+
+
+def wait_until_listening(cluster: dict, timeout: float = 300.0) -> None:
+    """Waits until every worker and ps address of `cluster` accepts a TCP
+    connection (the chief's first step: tasks may start at the same time).
+
+    Raises:
+        ClusterConfigError: naming the tasks still not listening after
+            `timeout` seconds.
+    """
+    pending = [
+        (kind, index, address)
+        for kind in ("ps", "worker")
+        for index, address in enumerate(cluster.get(kind, ()))
+    ]
+    deadline = time.monotonic() + timeout
+    while pending:
+        pending = [
+            task for task in pending if not _listens(*_split_address(task[2]))
+        ]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterConfigError(
+                "ParameterServerStrategy: these tasks did not listen within "
+                f"{timeout:.0f} s: "
+                + ", ".join(f"{k} {i} at {a}" for k, i, a in pending)
+                + ". Start every ps and worker task (keras_dist.serve()) "
+                "with the same TF_CONFIG cluster."
+            )
+        time.sleep(0.2)
+
+
+def _split_address(address: str) -> tuple:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _pump(stream, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+    stream.close()
+
+
+def _stop_tasks(procs: dict, grace: float = 10.0) -> None:
+    live = [p for p in procs.values() if p.poll() is None]
+    for proc in live:
+        proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

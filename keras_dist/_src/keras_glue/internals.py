@@ -110,6 +110,13 @@ def set_initial_epoch(model, epoch) -> None:
     model._initial_epoch = epoch
 
 
+def initial_epoch(model):
+    """Keras's private `Trainer._initial_epoch`: the epoch a
+    BackupAndRestore callback restored in `on_train_begin` (None if
+    none), which `fit` starts from in place of its `initial_epoch`."""
+    return model._initial_epoch
+
+
 def tensorflow_trainer():
     """Keras's private `TensorFlowTrainer` (`keras.src.backend.tensorflow`),
     imported here (it imports TensorFlow): its steps tell whether a model

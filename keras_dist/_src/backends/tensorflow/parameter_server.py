@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._src.backends.tensorflow.ps_loop import check_not_sharded
+from keras_dist._src.cluster.parameter_server import wait_until_listening
 from keras_dist._src.errors import VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
 
@@ -35,6 +36,9 @@ class ParameterServerEngine:
         self.plan = plan
         self.runtime = runtime
         self.input_options = input_options
+        # Tasks may start together (keras-dist launch --ps): connecting
+        # before a task listens would fail.
+        wait_until_listening(plan.cluster)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(plan.cluster),
             task_type="chief",
