@@ -617,3 +617,100 @@ def test_preemption_at_every_position(tmp_path, capsys, at, spe, saved, where):
     )
     assert_same(values(model.variables), expected, rtol=1e-6)
     assert not os.path.exists(backup)
+
+
+# -- sharded checkpoints (format 2) --
+def _sharded_entries(rank, overlap=False):
+    """Rank 0 owns rows 0-2 of a 4x6 array and the whole bias; rank 1
+    rows 2-4 (or, with `overlap`, rows 0-2 again)."""
+    w = np.arange(24, dtype="float32").reshape(4, 6)
+    rows = slice(0, 2) if rank == 0 or overlap else slice(2, 4)
+    entries = [
+        {
+            "key": "model/w",
+            "shape": [4, 6],
+            "layout": ["model", None],
+            "pieces": [((rows.start, 0), w[rows].copy())],
+        },
+        {
+            "key": "model/b",
+            "shape": [3],
+            "pieces": [((0,), np.ones(3, "int32"))] if rank == 0 else [],
+        },
+    ]
+    return w, entries
+
+
+@pytest.mark.fast
+def test_sharded_checkpoint_commits_and_reads_any_region(tmp_path):
+    from keras_dist._src.checkpoint import shards
+
+    root = str(tmp_path / "ck")
+    token = shards.begin(root, 7)
+    temp = shards.temp_path(root, 7, token)
+    for rank in (1, 0):
+        w, entries = _sharded_entries(rank)
+        shards.write_own(temp, rank, entries)
+    path = shards.commit(root, 7, token, 2, {"step": 7})
+    assert sorted(os.listdir(root)) == ["ckpt-7"]
+    assert sorted(os.listdir(path)) == [
+        "COMMIT",
+        "metadata.json",
+        "shards-00000.npz",
+        "shards-00001.npz",
+    ]
+    metadata = fmt.verify(path)
+    (entry, bias) = metadata["arrays"]
+    assert entry["layout"] == ["model", None] and "layout" not in bias
+    assert [(p["file"], p["start"]) for p in entry["pieces"]] == [
+        ("shards-00000.npz", [0, 0]),
+        ("shards-00001.npz", [2, 0]),
+    ]
+    arrays = fmt.open_sharded(path, metadata)
+    saved = arrays["model/w"]
+    assert saved.shape == (4, 6) and saved.dtype == np.float32
+    # Any region, across the two files: another layout's part.
+    np.testing.assert_array_equal(
+        saved.read((slice(1, 3), slice(2, 5))), w[1:3, 2:5]
+    )
+    np.testing.assert_array_equal(np.asarray(saved), w)
+    np.testing.assert_array_equal(np.asarray(arrays["model/b"]), np.ones(3))
+    arrays.close()
+    # A damaged shard file is skipped, naming it.
+    shard = os.path.join(path, "shards-00001.npz")
+    raw = bytearray(open(shard, "rb").read())
+    raw[-200] ^= 0xFF
+    open(shard, "wb").write(bytes(raw))
+    with pytest.warns(UserWarning, match="shards-00001.npz"):
+        assert checkpoint.latest(root) is None
+
+
+@pytest.mark.fast
+def test_sharded_commit_refuses_what_is_not_complete(tmp_path):
+    from keras_dist._src.checkpoint import shards
+
+    root = str(tmp_path / "ck")
+    # Two processes writing the same rows: the pieces do not cover.
+    token = shards.begin(root, 1)
+    for rank in (0, 1):
+        shards.write_own(
+            shards.temp_path(root, 1, token),
+            rank,
+            _sharded_entries(rank, overlap=True)[1],
+        )
+    with pytest.raises(fmt.CheckpointError, match="disagree on which"):
+        shards.commit(root, 1, token, 2, {"step": 1})
+    # A process that failed is named.
+    token = shards.begin(root, 2)
+    temp = shards.temp_path(root, 2, token)
+    shards.write_own(temp, 0, _sharded_entries(0)[1])
+    shards.write_failure(temp, 1, "OSError: disk full")
+    with pytest.raises(fmt.CheckpointError, match="Process 1 .*disk full"):
+        shards.commit(root, 2, token, 2, {"step": 2})
+    # A process that never writes: the chief gives up, naming it.
+    token = shards.begin(root, 3)
+    shards.write_own(shards.temp_path(root, 3, token), 0, [])
+    with pytest.raises(fmt.CheckpointError, match=r"Processes \[1\]"):
+        shards.commit(root, 3, token, 2, {"step": 3}, timeout=0.1)
+    # Nothing visible, nothing left behind.
+    assert os.listdir(root) == []

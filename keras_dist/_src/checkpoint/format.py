@@ -785,11 +785,11 @@ def _check_sharded_metadata(path: str, metadata: dict) -> None:
                 raise _invalid(path, f"{where} lies outside shape {shape}")
             covered += math.prod(size)
             used[file] += math.prod(size) * _stored_dtype(dtype).itemsize
-        if covered != math.prod(shape):
+        if covered != math.prod(shape) or not pieces_disjoint(pieces):
             raise _invalid(
                 path,
                 f"the pieces of array {key!r} hold {covered} of its "
-                f"{math.prod(shape)} elements",
+                f"{math.prod(shape)} elements (or overlap)",
             )
     for name, total in used.items():
         if total > files[name]["bytes"]:
@@ -798,6 +798,26 @@ def _check_sharded_metadata(path: str, metadata: dict) -> None:
                 f"its pieces in {name} need {total} bytes but the file has "
                 f"{files[name]['bytes']}",
             )
+
+
+def pieces_disjoint(pieces: list) -> bool:
+    """Whether no two pieces (``{"start", "shape"}``) overlap: with their
+    total size equal to the array's, they then cover it exactly once."""
+    boxes = sorted(
+        (tuple(p["start"]), tuple(p["shape"]))
+        for p in pieces
+        if math.prod(p["shape"])
+    )
+    for i, (start, size) in enumerate(boxes):
+        for other, other_size in boxes[i + 1 :]:
+            if other[0] >= start[0] + size[0]:
+                break  # sorted by the first offset: no later one overlaps
+            if all(
+                a < b + m and b < a + n
+                for a, n, b, m in zip(start, size, other, other_size)
+            ):
+                return False
+    return True
 
 
 def _valid_shape(shape) -> bool:

@@ -260,7 +260,11 @@ def _merge(records: list) -> list:
     for key in order:
         entry = merged[key]
         covered = sum(math.prod(p["shape"]) for p in entry["pieces"])
-        if covered != math.prod(entry["shape"]) or entry["dtype"] is None:
+        if (
+            covered != math.prod(entry["shape"])
+            or entry["dtype"] is None
+            or not fmt.pieces_disjoint(entry["pieces"])
+        ):
             raise fmt.CheckpointError(
                 f"The processes' pieces of {key!r} hold {covered} of its "
                 f"{math.prod(entry['shape'])} elements: they disagree on "
