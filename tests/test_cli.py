@@ -167,3 +167,64 @@ def test_launch_ps_options_and_task_environments():
         ps_task_environments(1, 1, base={"KERAS_BACKEND": "jax"})
     with pytest.raises(ValueError, match="--workers >= 1"):
         ps_task_environments(0, 1, base={})
+
+
+_FAKE_TASK = """
+import json, os, socket, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+task, mode = config["task"], sys.argv[1]
+if task["type"] == "chief":
+    print("chief runs", flush=True)
+    time.sleep({"ok": 0, "worker_dies": 1.5}.get(mode, 30))
+    sys.exit(3 if mode == "ok" else 0)
+if mode == "no_serve" and task["type"] == "worker":
+    sys.exit(1)  # dies before it listens
+address = config["cluster"][task["type"]][task["index"]]
+host, port = address.rsplit(":", 1)
+server = socket.socket()
+server.bind((host, int(port)))
+server.listen()
+if mode == "ps_dies" and task["type"] == "ps":
+    time.sleep(0.5)
+    sys.exit(2)
+if mode == "worker_dies" and task == {"type": "worker", "index": 1}:
+    time.sleep(0.3)
+    sys.exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="backend-neutral: run in one lane only"
+)
+def test_launch_ps_supervision_with_plain_socket_tasks(
+    tmp_path, capfd, monkeypatch
+):
+    # The launcher's rules, with tasks that only listen on their TF_CONFIG
+    # port (no TensorFlow: a second each); tests/test_parameter_server.py
+    # runs a real TensorFlow job through the same launcher.
+    from keras_dist._src.cluster.parameter_server import launch_ps
+
+    script = tmp_path / "task.py"
+    script.write_text(_FAKE_TASK)
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")  # the job's backend
+
+    def launch(mode, workers=2):
+        code = launch_ps([str(script), mode], workers, 1)
+        out, err = capfd.readouterr()
+        return code, out, err
+
+    code, out, err = launch("ok")  # the chief's exit code is the job's
+    assert code == 3 and "[chief] chief runs" in out
+    assert "the chief exited with code 3" in err
+    code, out, err = launch("ps_dies")
+    assert code == 2
+    assert "ps task 0 exited with code 2: the variables it held" in err
+    code, out, err = launch("worker_dies")
+    assert code == 0, err
+    assert "worker task 1 exited with code 0; tolerated" in err
+    assert "(1 of 2 left)" in err
+    code, out, err = launch("no_serve", workers=1)
+    assert code == 1
+    assert "worker task 0 exited with code 1 before it listened" in err
