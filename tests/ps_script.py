@@ -256,6 +256,11 @@ def two_workers():
         "split_dataset": lambda: model.fit(
             dataset, validation_split=0.25, verbose=0
         ),
+        "step_backup": lambda: model.fit(
+            dataset,
+            verbose=0,
+            callbacks=[keras_dist.callbacks.BackupAndRestore("/nonexistent")],
+        ),
     }.items():
         try:
             call()

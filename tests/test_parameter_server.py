@@ -120,6 +120,7 @@ def test_two_workers_evaluate_exact_and_errors(two_workers):
     assert "tf.data.Dataset" in errors["pydataset"]
     assert "evaluate" in errors["pydataset"]  # ... accept a PyDataset
     assert "validation_data" in errors["split_dataset"]
+    assert "keras.callbacks.BackupAndRestore(" in errors["step_backup"]
     assert two_workers["evaluate_pydataset"] == pytest.approx(
         two_workers["evaluate_pydataset_expected"], rel=1e-6
     )

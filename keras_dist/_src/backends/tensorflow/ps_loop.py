@@ -435,6 +435,7 @@ class _Loop:
     ):
         """Keras's `fit`, steps scheduled on the workers (module doc)."""
         model = self.model
+        _refuse_step_level_backup(callbacks)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(
                 x, y, sample_weight, validation_split
@@ -568,6 +569,26 @@ class _Loop:
         return tree.map_structure_up_to(
             outputs[0], lambda *parts: np.concatenate(parts), *outputs
         )
+
+
+def _refuse_step_level_backup(callbacks) -> None:
+    """keras_dist's own BackupAndRestore resumes mid-epoch by replaying
+    Keras's fit loop, which this loop is not: refused, pointing to
+    Keras's epoch-level BackupAndRestore (verified here)."""
+    listed = getattr(callbacks, "callbacks", callbacks) or ()
+    for callback in listed:
+        kind = type(callback)
+        if kind.__name__ == "BackupAndRestore" and kind.__module__.startswith(
+            "keras_dist."
+        ):
+            raise NotImplementedError(
+                "keras_dist.callbacks.BackupAndRestore (exact mid-epoch "
+                "resume) does not work under ParameterServerStrategy, whose "
+                "steps run asynchronously on the workers. Use "
+                "keras.callbacks.BackupAndRestore(backup_dir): it saves at "
+                "each epoch's end and a restarted job resumes at the next "
+                "epoch (guides/parameter_server.md, Faults)."
+            )
 
 
 def _spec_of(t):
