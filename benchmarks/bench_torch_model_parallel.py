@@ -1,0 +1,312 @@
+"""Layouts on torch: keras_dist against plain PyTorch DTensor, step time.
+
+The same MLP (``width``-``width``-``width``-16, tanh, Adam, MSE) trains in
+each mode, every mode in its own processes, modes interleaved over
+``--repeats`` runs (so that machine drift hits all alike):
+
+* ``torch``: a plain PyTorch loop in one process, batch ``B``;
+* ``keras``: Keras on torch in one process, batch ``B``. ``keras / torch``
+  is Keras's own single-process overhead: the target for the ratios below;
+* ``kd_mp``: `keras_dist.ModelParallel` on a (1, 2) ("batch", "model")
+  mesh over 2 gloo processes, the first kernel split by columns and the
+  second by rows (Megatron style), global batch ``B``;
+* ``dt_mp``: the same layout in plain torch: `parallelize_module` with
+  `ColwiseParallel` / `RowwiseParallel` on a 2-process device mesh, the
+  same batch ``B`` on both ranks;
+* ``kd_sdp``: `keras_dist.ShardedDataParallel` over 2 processes, ``B`` per
+  process (global batch ``2 B``);
+* ``fsdp``: torch's `fully_shard` (FSDP2) over 2 processes, ``B`` per
+  process.
+
+Targets (issue #15 item 8): ``kd_mp / dt_mp`` and ``kd_sdp / fsdp`` no
+larger than ``keras / torch``. Every process uses one thread.
+
+Run::
+
+    KERAS_BACKEND=torch python benchmarks/bench_torch_model_parallel.py \\
+        [--steps 30] [--repeats 3] [--width 512] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+WARMUP = 5
+
+
+def _data(samples, width):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, width)).astype("float32")
+    y = rng.normal(size=(samples, 16)).astype("float32")
+    return x, y
+
+
+def _keras_model(width):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((width,)),
+            keras.layers.Dense(width, activation="tanh", name="up"),
+            keras.layers.Dense(width, activation="tanh", name="mid"),
+            keras.layers.Dense(16, name="down"),
+        ]
+    )
+
+
+def _torch_model(width):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(width, width)
+            self.mid = nn.Linear(width, width)
+            self.down = nn.Linear(width, 16)
+
+        def forward(self, x):
+            x = torch.tanh(self.up(x))
+            x = torch.tanh(self.mid(x))
+            return self.down(x)
+
+    return MLP()
+
+
+def _join(world):
+    """Starts ranks 1.. of a `world`-process job (rank 0 is this one)."""
+    from keras_dist._src.cluster import detect_environment, launcher
+
+    if world < 2 or detect_environment().is_distributed:
+        return {}
+    port = launcher.free_port()
+    children = launcher.start_workers(world, port)
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return children
+
+
+def _time_keras(model, x, y, batch, steps):
+    import keras
+
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+
+    def fit(n):
+        model.fit(
+            x,
+            y,
+            batch_size=batch,
+            epochs=1,
+            steps_per_epoch=n,
+            shuffle=False,
+            verbose=0,
+        )
+
+    fit(WARMUP)
+    start = time.perf_counter()
+    fit(steps)
+    return (time.perf_counter() - start) / steps
+
+
+def _time_torch(module, x, y, batch, steps, rank=0, world=1, sync=None):
+    import torch
+
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+
+    def step(i):
+        lo = (world * i + rank) * batch
+        optimizer.zero_grad()
+        loss = torch.mean(
+            (module(x[lo : lo + batch]) - y[lo : lo + batch]) ** 2
+        )
+        loss.backward()
+        optimizer.step()
+
+    for i in range(WARMUP):
+        step(i)
+    if sync:
+        sync()
+    start = time.perf_counter()
+    for i in range(WARMUP, WARMUP + steps):
+        step(i)
+    if sync:
+        sync()
+    return (time.perf_counter() - start) / steps
+
+
+def run_torch(args):
+    """Plain torch, one process."""
+    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
+    return _time_torch(_torch_model(args.width), x, y, args.batch, args.steps)
+
+
+def run_keras(args):
+    """Keras on torch, one process."""
+    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
+    return _time_keras(_keras_model(args.width), x, y, args.batch, args.steps)
+
+
+def run_kd_mp(args):
+    """keras_dist ModelParallel (1, 2) over 2 processes."""
+    import keras_dist
+
+    children = _join(2)
+    mesh = keras_dist.DeviceMesh((1, 2), ("batch", "model"))
+    layouts = keras_dist.LayoutMap(mesh)
+    layouts[".*up/kernel"] = (None, "model")
+    layouts[".*up/bias"] = ("model",)
+    layouts[".*mid/kernel"] = ("model", None)
+    strategy = keras_dist.ModelParallel(layouts, "batch")
+    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
+    with strategy.scope():
+        model = _keras_model(args.width)
+        seconds = _time_keras(model, x, y, args.batch, args.steps)
+    return _finish(children, seconds)
+
+
+def run_kd_sdp(args):
+    """keras_dist ShardedDataParallel over 2 processes."""
+    import keras_dist
+
+    children = _join(2)
+    strategy = keras_dist.ShardedDataParallel()
+    x, y = _data(2 * args.batch * (args.steps + WARMUP), args.width)
+    with strategy.scope():
+        model = _keras_model(args.width)
+        seconds = _time_keras(model, x, y, 2 * args.batch, args.steps)
+    return _finish(children, seconds)
+
+
+def run_dt_mp(args):
+    """Plain torch tensor parallel (DTensor) over 2 processes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    children = _join(2)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_module(
+        _torch_model(args.width),
+        mesh,
+        {"up": ColwiseParallel(), "mid": RowwiseParallel()},
+    )
+    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
+    # Model parallel: both ranks compute on the same batch.
+    seconds = _time_torch(
+        model, x, y, args.batch, args.steps, sync=dist.barrier
+    )
+    dist.destroy_process_group()
+    return _finish(children, seconds)
+
+
+def run_fsdp(args):
+    """Plain torch FSDP2 (`fully_shard`) over 2 processes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    children = _join(2)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    model = _torch_model(args.width)
+    for layer in (model.up, model.mid, model.down):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rank = dist.get_rank()
+    x, y = _data(2 * args.batch * (args.steps + WARMUP), args.width)
+    seconds = _time_torch(
+        model, x, y, args.batch, args.steps, rank, 2, sync=dist.barrier
+    )
+    dist.destroy_process_group()
+    return _finish(children, seconds)
+
+
+def _finish(children, seconds):
+    for proc in children.values():
+        proc.wait()
+    return seconds if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+MODES = {
+    "torch": run_torch,
+    "keras": run_keras,
+    "kd_mp": run_kd_mp,
+    "dt_mp": run_dt_mp,
+    "kd_sdp": run_kd_sdp,
+    "fsdp": run_fsdp,
+}
+
+
+def _measure(mode, args):
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    command = [sys.executable, __file__, "--mode", mode]
+    for flag in ("steps", "width", "batch"):
+        command += [f"--{flag}", str(getattr(args, flag))]
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=900
+    )
+    match = re.search(r"STEP_SECONDS ([0-9.e-]+)", proc.stdout)
+    if proc.returncode != 0 or not match:
+        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
+    return float(match.group(1))
+
+
+def main():
+    """Runs every mode `--repeats` times, interleaved; prints the ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=sorted(MODES))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    if args.mode:
+        seconds = MODES[args.mode](args)
+        if seconds is not None:
+            print(f"STEP_SECONDS {seconds:.6f}", flush=True)
+        return
+    runs = {mode: [] for mode in MODES}
+    for _ in range(args.repeats):
+        for mode in MODES:
+            runs[mode].append(_measure(mode, args))
+    print(
+        f"median of {args.repeats} interleaved runs, MLP width "
+        f"{args.width}, batch {args.batch}:"
+    )
+    for mode, values in runs.items():
+        print(f"{mode:>7}: {1000 * np.median(values):8.2f} ms/step")
+    for a, b, note in [
+        ("keras", "torch", "(Keras's own overhead: the target)"),
+        ("kd_mp", "dt_mp", ""),
+        ("kd_sdp", "fsdp", ""),
+    ]:
+        ratios = np.array(runs[a]) / np.array(runs[b])
+        print(
+            f"{a} / {b}: {np.median(runs[a]) / np.median(runs[b]):.3f} "
+            f"(per-repeat median {np.median(ratios):.3f}, "
+            f"range {ratios.min():.3f}..{ratios.max():.3f}) {note}"
+        )
+
+
+if __name__ == "__main__":
+    main()
