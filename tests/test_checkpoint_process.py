@@ -115,7 +115,8 @@ if mode == "train":
         fit(reference, [])
         dump(reference, sys.argv[4])
     model = build()
-    backup = BackupAndRestore(directory, save_freq=5, grace_period=60)
+    backup = BackupAndRestore(directory, save_freq=5, grace_period=60,
+                              async_save=os.environ.get("CKPT_ASYNC") == "1")
     fit(model, [backup, Progress("train")])
     dump(model, sys.argv[3])
     print("restored_from", backup.restored_from, flush=True)
@@ -194,6 +195,7 @@ def interrupt_and_resume(
     strategy=None,
     devices_per_worker=None,
     inspect=None,
+    async_save=False,
 ):
     """Runs the training script, signals it at a random step, restarts
     it; returns the largest relative weight difference to the reference.
@@ -209,12 +211,15 @@ def interrupt_and_resume(
         devices_per_worker: simulated CPU devices of each worker.
         inspect: called with the preemption checkpoint's path before the
             restart.
+        async_save: the periodic saves are asynchronous.
     """
     script = write_script(tmp_path)
     backup = tmp_path / "backup"
     env = env_for(backend, ranks, devices)
     if strategy:
         env["CKPT_STRATEGY"] = strategy
+    if async_save:
+        env["CKPT_ASYNC"] = "1"
     command = [sys.executable, str(script)]
     if workers:
         env.pop("KERAS_DIST_CPU_DEVICES", None)
@@ -294,10 +299,11 @@ def test_sigterm_then_restart_matches_uninterrupted_run(tmp_path):
 @pytest.mark.multi_process
 @pytest.mark.skipif(BACKEND != "jax", reason="torch: its own tests; TF: none")
 def test_model_parallel_sigterm_then_restart_matches(tmp_path):
-    """A 2x2 ModelParallel run on 2 workers x 2 devices preempted at a
-    random step resumes to the uninterrupted run's weights; its sharded
-    checkpoint holds one file per process, each with only that process's
-    shards, and restores into Mirrored and one device."""
+    """A 2x2 ModelParallel run on 2 workers x 2 devices (periodic saves
+    asynchronous) preempted at a random step resumes to the uninterrupted
+    run's weights; its sharded checkpoint holds one file per process, each
+    with only that process's shards, and restores into Mirrored and one
+    device."""
     found = {}
 
     def inspect(path):
@@ -311,6 +317,7 @@ def test_model_parallel_sigterm_then_restart_matches(tmp_path):
         devices_per_worker=2,
         strategy="model_parallel",
         inspect=inspect,
+        async_save=True,  # the periodic saves: sharded, in the background
     )
     assert difference <= 1e-6
     assert found["restored"] == ["Mirrored", "one device"]
