@@ -37,8 +37,10 @@ def save(model, directory, step=None, *, keep=None, async_save=False):
 
     Writes ``directory/ckpt-<step>`` atomically: the model's variables, the
     optimizer's and metrics' state, the random generators' states, the
-    versions and the strategy's shape. Every process of a job calls it; the
-    chief writes, the others wait.
+    versions and the strategy's shape. Every process of a job calls it;
+    with several processes (or variables split over devices) each writes
+    the shards it owns, without gathering, and the chief commits once all
+    have written (see `guides/preemption.md`).
 
     Args:
         model: a built (usually compiled) Keras model.
@@ -64,7 +66,8 @@ def restore(model, directory):
 
     `directory` may also be one ``ckpt-<step>`` directory. Damaged or
     partial checkpoints are skipped with a warning. The checkpoint may come
-    from another backend or replica count.
+    from another backend, replica count, strategy or layout: each process
+    reads only the parts its variables hold.
 
     Args:
         model: a built Keras model with the same variables (paths and

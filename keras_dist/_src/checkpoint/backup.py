@@ -42,7 +42,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     Saves a complete, atomic checkpoint (variables, optimizer, metrics,
     position, random-generator states) every epoch or every `save_freq`
     steps, and when the process receives one of `preemption_signals`:
-    then every process stops after the same step, the chief saves and the
+    then every process stops after the same step, they save and the
     processes exit with `PREEMPTION_EXIT_CODE` (75). At the start of the
     next `fit` with the same `backup_dir` it restores the newest complete
     checkpoint and continues at the exact step (mid-epoch), so that an
@@ -59,7 +59,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Works for models of any keras_dist strategy and for plain Keras models.
     With several processes, `backup_dir` must be on a filesystem every
-    process can read; only the chief writes.
+    process shares: each writes the shards it owns (nothing is gathered on
+    one host) and the chief commits.
 
     Args:
         backup_dir: directory for this run's checkpoints only: new or
@@ -88,7 +89,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     # Runs on every process of a keras_dist job (it takes part in
-    # collectives); only the chief writes.
+    # collectives); each writes its own shards, the chief commits.
     _keras_dist_all_ranks = True
 
     def __init__(

@@ -57,7 +57,8 @@ def to_host(value) -> np.ndarray:
     """A NumPy copy of a variable's value (never a view of device memory).
 
     The backend reads the whole value (`host_array`: a mirrored variable's
-    primary copy, a sharded one gathered from every device and process).
+    primary copy, a sharded one gathered from every device and process);
+    variables are saved through `export_variables` instead.
     """
     from keras_dist._src import backends
 
@@ -151,20 +152,6 @@ def _placement_of(model):
         ]
 
     return placement
-
-
-def snapshot_variables(model) -> dict:
-    """Copies every variable of `model` to host memory.
-
-    Returns:
-        ``{key: numpy array}`` in group order.
-    """
-    check_built(model)
-    arrays = {}
-    for group, variables in variable_groups(model).items():
-        for key, variable in zip(_keys(group, variables), variables):
-            arrays[key] = to_host(variable.value)
-    return arrays
 
 
 def check_built(model) -> None:
