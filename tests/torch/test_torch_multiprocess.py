@@ -289,7 +289,7 @@ def test_clean_exit_while_watchdog_polls(tmp_path):
 
 
 DEFERRED_METRICS = """
-from keras_dist._src.backends.torch import data_parallel as torch_steps
+from keras_dist._src.backends.torch import metrics_sync as torch_steps
 
 out = sys.argv[1]
 strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
@@ -443,7 +443,7 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
 
 
 def test_which_calls_read_metric_values_every_step(tmp_path):
-    from keras_dist._src.backends.torch.data_parallel import reads_batch_logs
+    from keras_dist._src.backends.torch.metrics_sync import reads_batch_logs
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     callback_list = keras.callbacks.CallbackList

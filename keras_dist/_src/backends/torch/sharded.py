@@ -32,10 +32,8 @@ bypassed; the variables' own tensors are replaced instead
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
-import keras
 import numpy as np
 import torch
 from keras import tree
@@ -48,81 +46,25 @@ from torch.distributed.tensor import (
 )
 
 from keras_dist._src import plan as plan_lib
-from keras_dist._src.backends.torch import data_parallel
-from keras_dist._src.backends.torch import devices as torch_devices
-from keras_dist._src.backends.torch.devices import torch_device
-from keras_dist._src.backends.torch.inputs import distribute_dataset
+from keras_dist._src.backends.torch import layouts
+from keras_dist._src.backends.torch.engine import (
+    OneDeviceEngine,
+    TorchEngine,
+    broadcast_from_chief,
+)
 from keras_dist._src.backends.torch.runtime import TorchRuntime
+from keras_dist._src.backends.torch.steps import (
+    ModelSteps,
+    install_global_dropout,
+)
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import LayoutError, UnsupportedBackendError
 from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.keras_glue import torch_variables
 from keras_dist._src.options import InputOptions, ShardPolicy
-from keras_dist._src.values import local_results
-
-#: Keras's convolution layers (their kernels stay whole on torch).
-_CONVOLUTIONS = (
-    keras.layers.Conv1D,
-    keras.layers.Conv2D,
-    keras.layers.Conv3D,
-    keras.layers.Conv1DTranspose,
-    keras.layers.Conv2DTranspose,
-    keras.layers.Conv3DTranspose,
-    keras.layers.DepthwiseConv1D,
-    keras.layers.DepthwiseConv2D,
-    keras.layers.SeparableConv1D,
-    keras.layers.SeparableConv2D,
-)
 
 
-# -- variables as DTensors ---------------------------------------------------
-def _to_plain(x):
-    """`x` with every DTensor replaced by its whole value (a collective
-    only for a value that is not replicated)."""
-
-    def plain(t):
-        if isinstance(t, DTensor):
-            return t.full_tensor()
-        return t
-
-    return tree.map_structure(plain, x)
-
-
-def _assign(original):
-    def _direct_assign(variable, value):
-        target = glue.variable_value(variable)
-        if isinstance(target, DTensor) and not isinstance(value, DTensor):
-            # A whole value (set_weights, a checkpoint restore) given on
-            # every rank: each keeps its part, no collective.
-            local = target.to_local()
-            value = torch.as_tensor(value).to(local.device, local.dtype)
-            value = distribute_tensor(
-                value,
-                target.device_mesh,
-                target.placements,
-                src_data_rank=None,
-            )
-        return original(variable, value)
-
-    return _direct_assign
-
-
-def _array(original):
-    def __array__(variable, dtype=None, *args, **kwargs):
-        value = glue.variable_value(variable)
-        if not isinstance(value, DTensor):
-            return original(variable, dtype, *args, **kwargs)
-        # A sharded variable is gathered: every rank must read it alike.
-        whole = value.full_tensor().detach().cpu()
-        if whole.dtype == torch.bfloat16:
-            whole = whole.float()
-        # A copy: a replicated DTensor's whole value is its local tensor.
-        return np.array(whole.numpy(), dtype=dtype)
-
-    return __array__
-
-
-class DTensorEngine:
+class DTensorEngine(TorchEngine):
     """One rank of a job whose variables are DTensors over a device mesh.
 
     Args:
@@ -132,11 +74,6 @@ class DTensorEngine:
         input_options: how input is sharded between workers.
     """
 
-    # The Mirrored engine's failure naming (another rank's error) applies
-    # as it is: it reads only the job.
-    _check_other_ranks = data_parallel.MirroredEngine._check_other_ranks
-    _reported_failure = data_parallel.MirroredEngine._reported_failure
-
     def __init__(self, plan, runtime, input_options=None):
         if not plan.sync_batch_norm:
             raise LayoutError(
@@ -145,8 +82,6 @@ class DTensorEngine:
                 "MirroredStrategy(sync_batch_norm=False) for per-replica "
                 "BatchNormalization statistics."
             )
-        self.runtime = runtime
-        self.job = runtime.job
         world = runtime.world_size
         mesh = plan.mesh
         if mesh is None:
@@ -159,10 +94,7 @@ class DTensorEngine:
                 f"{world}. Give a mesh whose shape multiplies to {world}, or "
                 f"start {mesh.size} processes."
             )
-        self.plan = plan
-        self.mesh = mesh
-        self.input_options = input_options or InputOptions()
-        policy = self.input_options.shard_policy
+        policy = (input_options or InputOptions()).shard_policy
         if policy in (ShardPolicy.FILE, ShardPolicy.OFF):
             raise UnsupportedBackendError(
                 f"{policy} is not available with layouts over a mesh on "
@@ -170,19 +102,12 @@ class DTensorEngine:
                 "axis splits each global batch (ShardPolicy.DATA). Use "
                 "InputOptions(shard_policy=ShardPolicy.DATA) or AUTO."
             )
-        self.devices = tuple(normalize_device(d) for d in plan.devices)
-        if self.devices[0].startswith("cpu"):
-            torch_devices.claim_cpu_devices(len(self.devices))
-        index = min(self.job.local_rank, len(self.devices) - 1)
-        self.device = torch_device(self.devices[index])
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        devices = [normalize_device(d) for d in plan.devices]
+        super().__init__(devices, runtime, input_options)
+        self.plan = plan
+        self.mesh = mesh
         self.torch_mesh = init_device_mesh(
             self.device.type, mesh.shape, mesh_dim_names=mesh.axis_names
-        )
-        # Host-side collectives of custom loops and the chief broadcast.
-        self.aux_group = torch.distributed.new_group(
-            backend="nccl" if self.device.type == "cuda" else "gloo"
         )
         self.batch_axis = plan.batch_axis
         self.batch_parts = mesh.axis_size(self.batch_axis)
@@ -191,137 +116,17 @@ class DTensorEngine:
         split[mesh.axis_names.index(self.batch_axis)] = Shard(0)
         self.batch_placements = tuple(split)
         self.replicated = (Replicate(),) * len(mesh.shape)
-        torch_variables.replace_torch_variable_methods(_assign, _array)
+        torch_variables.replace_torch_variable_methods(
+            layouts.dtensor_assign, layouts.dtensor_array
+        )
         self._checked = set()
-
-    # -- properties -----------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return self.job.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks (devices of the mesh)."""
-        return self.job.world_size
 
     @property
     def num_replicas_in_sync(self) -> int:
         """Replicas of the model: the size of the batch axis."""
         return self.batch_parts
 
-    @property
-    def is_chief(self) -> bool:
-        """Whether this is rank 0, the one that prints and writes files."""
-        return self.job.rank == 0
-
-    # -- scopes ---------------------------------------------------------------
-    def scope(self):
-        """Variables are created as Keras creates them; they become
-        DTensors when the model is attached or a step function is made."""
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def call_scope(self):
-        """The chief's random generators (same shuffling on every rank);
-        another rank's failure is named."""
-        try:
-            data_parallel.sync_rng_state(self)
-            yield
-        except BaseException as error:
-            self._check_other_ranks(error)
-            raise
-
-    def prepare_call(self, name, method, args, kwargs):
-        """Every rank reads the whole input (global batches)."""
-        del name, method
-        return args, kwargs
-
-    # -- layouts --------------------------------------------------------------
-    def placements(self, layout) -> tuple:
-        """DTensor placements (one per mesh axis) of a full-rank layout."""
-        out = list(self.replicated)
-        for dim, entry in enumerate(layout):
-            names = (entry,) if isinstance(entry, str) else entry or ()
-            for name in names:
-                out[self.mesh.axis_names.index(name)] = Shard(dim)
-        return tuple(out)
-
-    def layouts(self, model) -> list:
-        """``[(variable, layout)]`` for every variable of `model`, its
-        optimizer and its metrics (checked against the mesh)."""
-        plan = self.plan
-        pairs, by_id = [], {}
-        convolutions = {
-            id(v)
-            for layer in glue.flatten_layers(model, include_self=True)
-            if isinstance(layer, _CONVOLUTIONS)
-            for v in layer.variables
-        }
-        for variable in model.variables:
-            shape = tuple(variable.shape)
-            layout = plan_lib.check_variable_layout(
-                plan,
-                variable.path,
-                shape,
-                plan.variable_layout(variable.path, shape),
-            )
-            if id(variable) in convolutions and any(layout):
-                layout = self._convolution_layout(variable, layout)
-            by_id[id(variable)] = layout
-            pairs.append((variable, layout))
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "built", False):
-            references = sorted(
-                model.trainable_variables,
-                key=lambda v: -len(v.path),
-            )
-            for variable in optimizer.variables:
-                if id(variable) in by_id:
-                    continue
-                layout = self._slot_layout(variable, references, by_id)
-                by_id[id(variable)] = layout
-                pairs.append((variable, layout))
-        for variable in getattr(model, "metrics_variables", []):
-            if id(variable) not in by_id:
-                by_id[id(variable)] = (None,) * len(variable.shape)
-                pairs.append((variable, by_id[id(variable)]))
-        return pairs
-
-    def _convolution_layout(self, variable, layout):
-        """torch's DTensor convolution follows its input's placements and
-        needs whole kernels: ZeRO keeps them replicated; a LayoutMap that
-        splits one is an error."""
-        if isinstance(self.plan, plan_lib.ShardedPlan):
-            return (None,) * len(layout)
-        raise LayoutError(
-            f"The layout {layout} of variable {variable.path!r} (shape "
-            f"{tuple(variable.shape)}) splits a convolution's weights, which "
-            "torch's DTensor convolution does not support (it needs whole "
-            "kernels and biases). Leave convolution variables out of the "
-            "LayoutMap on torch (or use KERAS_BACKEND=jax)."
-        )
-
-    def _slot_layout(self, variable, references, layouts):
-        """An optimizer variable's layout: its model variable's (Keras names
-        a slot ``<variable path with _>_<slot>``), else replicated (ZeRO:
-        split by size, as a model variable)."""
-        shape = tuple(variable.shape)
-        for reference in references:
-            prefix = reference.path.replace("/", "_") + "_"
-            if variable.name.startswith(prefix) and shape == tuple(
-                reference.shape
-            ):
-                return layouts[id(reference)]
-        if isinstance(self.plan, plan_lib.ShardedPlan):
-            return plan_lib.check_variable_layout(
-                self.plan,
-                variable.path,
-                shape,
-                self.plan.variable_layout(variable.path, shape),
-            )
-        return (None,) * len(shape)
-
+    # -- variables ------------------------------------------------------------
     def lay_out(self, model) -> None:
         """Makes every variable of `model` (optimizer and metrics included)
         a DTensor with its layout, from the chief's values; checks once
@@ -334,20 +139,20 @@ class DTensorEngine:
             self._checked.add(id(model))
         pending = [
             (v, layout)
-            for v, layout in self.layouts(model)
+            for v, layout in layouts.variable_layouts(self.plan, model)
             if not isinstance(glue.variable_value(v), DTensor)
         ]
         if not pending:
             return
         # The chief's values everywhere (one collective a dtype), then
         # each rank keeps its part.
-        data_parallel.broadcast_from_chief(self, [v for v, _ in pending])
+        broadcast_from_chief(self.aux_group, [v for v, _ in pending])
         for variable, layout in pending:
             tensor = glue.variable_value(variable).detach().to(self.device)
             value = distribute_tensor(
                 tensor,
                 self.torch_mesh,
-                self.placements(layout),
+                layouts.placements(self.mesh, layout),
                 src_data_rank=None,
             )
             parameter = torch.nn.Parameter(
@@ -357,6 +162,11 @@ class DTensorEngine:
         torch_variables.retrack_torch_parameters(
             glue.flatten_layers(model, include_self=True)
         )
+
+    def placement(self, variable):
+        """The variable's layout (from its DTensor placements) and the
+        shape of this rank's shard."""
+        return layouts.layout_of(self.mesh, variable)
 
     # -- batches --------------------------------------------------------------
     def place_batch(self, data):
@@ -390,15 +200,14 @@ class DTensorEngine:
 
         return tree.map_structure(place, data, none_is_leaf=True)
 
-    # -- models ---------------------------------------------------------------
     def attach(self, model) -> None:
         """Lays out a built model's variables; installs the step
         functions."""
         _StepFunctions(self, model).install()
         self.lay_out(model)
 
-    # -- custom loops ---------------------------------------------------------
-    def _check_replicas_are_ranks(self, what):
+    def check_custom_loop(self, what: str) -> None:
+        """Custom loops run one replica per process."""
         if self.batch_parts != self.world_size:
             raise NotImplementedError(
                 f"strategy.{what} on torch runs one replica per process; "
@@ -407,173 +216,68 @@ class DTensorEngine:
                 "processes. Use model.fit/evaluate/predict."
             )
 
-    def run(self, fn, args, kwargs):
-        """Calls `fn` on this rank's part (one replica per rank)."""
-        self._check_replicas_are_ranks("run")
-        return data_parallel.MirroredEngine.run(self, fn, args, kwargs)
 
-    def reduce(self, op, value, axis):
-        """Combines a per-replica value across ranks."""
-        self._check_replicas_are_ranks("reduce")
-        return data_parallel.MirroredEngine.reduce(self, op, value, axis)
+def _draw_global_mask(engine):
+    """Dropout's mask on a DTensor batch: drawn with the layer's own call
+    on a plain tensor of ones of the global shape (the chief's generators
+    on every rank: the draw of one device), replicated, and applied to the
+    (split) batch."""
 
-    def gather(self, value, axis):
-        """Concatenates each rank's value along `axis`."""
-        self._check_replicas_are_ranks("gather")
-        return data_parallel.MirroredEngine.gather(self, value, axis)
-
-    def local_results(self, value):
-        """The per-replica parts of `value` (this rank's)."""
-        return local_results(value)
-
-    def placement(self, variable):
-        """The variable's layout (from its DTensor placements) and the
-        shape of this rank's shard."""
-        value = glue.variable_value(variable)
-        shape = tuple(variable.shape)
-        if not isinstance(value, DTensor):
-            return (None,) * len(shape), shape
-        layout = [[] for _ in shape]
-        for axis, placement in zip(self.mesh.axis_names, value.placements):
-            if isinstance(placement, Shard):
-                layout[placement.dim].append(axis)
-        layout = tuple(
-            None if not names else names[0] if len(names) == 1 else tuple(names)
-            for names in layout
-        )
-        return layout, tuple(value.to_local().shape)
-
-    def distribute_dataset(self, dataset):
-        """This rank's per-replica batches (one replica per rank)."""
-        self._check_replicas_are_ranks("distribute_dataset")
-        return distribute_dataset(dataset, self.rank, self.world_size)
-
-
-def _global_dropout(engine, layer, original):
-    """A `Dropout.call` that drops what one device drops.
-
-    On a DTensor batch in training, the mask is drawn with the layer's own
-    call on a plain tensor of ones of the global shape (the chief's
-    generators on every rank: the draw of one device), replicated, and
-    applied to the (split) batch. Elsewhere it is Keras's call.
-    """
-
-    def call(inputs, training=False):
-        if not training or not isinstance(inputs, DTensor) or layer.rate <= 0:
-            return original(inputs, training=training)
+    def draw(layer, original, inputs):
+        if not isinstance(inputs, DTensor) or layer.rate <= 0:
+            return None
         probe = torch.ones(
             tuple(inputs.shape), dtype=inputs.dtype, device=engine.device
         )
-        kept = DTensor.from_local(
+        return DTensor.from_local(
             original(probe, training=True),
             inputs.device_mesh,
             (Replicate(),) * inputs.device_mesh.ndim,
             run_check=False,
         )
-        seeded = (
-            layer.noise_shape is not None
-            or glue.seed_generator_initial_seed(layer.seed_generator)
-            is not None
-        )
-        if seeded:
-            # Keras's seeded path: where(mask, inputs / keep_prob, 0).
-            return torch.where(
-                kept != 0, inputs / (1.0 - layer.rate), torch.zeros_like(inputs)
-            )
-        return inputs * kept  # torch's dropout: inputs * (mask / keep_prob)
 
-    return call
+    return draw
 
 
-class _StepFunctions:
+class _StepFunctions(ModelSteps):
     """Keras's own steps on DTensor batches and variables."""
 
-    def __init__(self, engine, model):
-        self.engine = engine
-        self.model = model
-
     def install(self) -> None:
+        """Replaces the step factories, metric reads and Dropout calls."""
         model = self.model
         cls = type(model)
 
         def get_metrics_result():
             # Replicated DTensors: their local values, on every rank.
-            return _to_plain(cls.get_metrics_result(model))
+            return layouts.to_plain(cls.get_metrics_result(model))
 
         get_metrics_result.__doc__ = cls.get_metrics_result.__doc__
         model.__dict__["get_metrics_result"] = get_metrics_result
-        for layer in glue.flatten_layers(model):
-            if type(layer) is keras.layers.Dropout:
-                original = type(layer).call.__get__(layer)
-                layer.__dict__["call"] = _global_dropout(
-                    self.engine, layer, original
-                )
-        model.__dict__["make_train_function"] = self.make_train_function
-        model.__dict__["make_test_function"] = self.make_test_function
-        model.__dict__["make_predict_function"] = self.make_predict_function
-        model.train_function = None
-        model.test_function = None
-        model.predict_function = None
+        install_global_dropout(model, _draw_global_mask(self.engine))
+        super().install()
 
-    def _prepare(self):
-        model = self.model
-        if model.steps_per_execution > 1:
-            raise ValueError(
-                "`steps_per_execution` must be 1 with the PyTorch backend; "
-                f"got {model.steps_per_execution}. Compile with "
-                "steps_per_execution=1."
-            )
-        self.engine.lay_out(model)
+    def prepare(self) -> None:
+        """The model's variables as DTensors."""
+        self.engine.lay_out(self.model)
 
-    def make_train_function(self, force=False):
-        """Keras's `train_step` on DTensor batches."""
-        model = self.model
-        if model.train_function is not None and not force:
-            return model.train_function
-        self._prepare()
-        engine = self.engine
+    def train_step(self, data):
+        """Keras's `train_step` on a DTensor batch."""
+        batch = self.engine.place_batch(data)
+        return layouts.to_plain(self.model.train_step(batch))
 
-        def one_step_on_data(data):
-            return _to_plain(model.train_step(engine.place_batch(data[0])))
+    def test_step(self, data):
+        """Keras's `test_step` on a DTensor batch."""
+        batch = self.engine.place_batch(data)
+        return layouts.to_plain(self.model.test_step(batch))
 
-        model.train_function = one_step_on_data
-        return one_step_on_data
-
-    def make_test_function(self, force=False):
-        """Keras's `test_step` on DTensor batches."""
-        model = self.model
-        if model.test_function is not None and not force:
-            return model.test_function
-        self._prepare()
-        engine = self.engine
-
-        def one_step_on_data(data):
-            with torch.no_grad():
-                logs = model.test_step(engine.place_batch(data[0]))
-            return _to_plain(logs)
-
-        model.test_function = one_step_on_data
-        return one_step_on_data
-
-    def make_predict_function(self, force=False):
+    def predict_step(self, data):
         """Keras's `predict_step`; the whole batch's outputs on every
         rank."""
-        model = self.model
-        if model.predict_function is not None and not force:
-            return model.predict_function
-        self._prepare()
-        engine = self.engine
-
-        def one_step_on_data(data):
-            with torch.no_grad():
-                outputs = model.predict_step(engine.place_batch(data[0]))
-            return _to_plain(outputs)
-
-        model.predict_function = one_step_on_data
-        return one_step_on_data
+        batch = self.engine.place_batch(data)
+        return layouts.to_plain(self.model.predict_step(batch))
 
 
-class _OneProcessEngine(data_parallel.OneDeviceEngine):
+class _OneProcessEngine(OneDeviceEngine):
     """A mesh of one device in one process: Keras's own step, with the
     plan's layouts checked."""
 
@@ -584,16 +288,7 @@ class _OneProcessEngine(data_parallel.OneDeviceEngine):
     def attach(self, model) -> None:
         """Checks the layouts of a built model."""
         if getattr(model, "built", False) and model.variables:
-            for variable in model.variables:
-                shape = tuple(variable.shape)
-                plan_lib.check_variable_layout(
-                    self.plan,
-                    variable.path,
-                    shape,
-                    self.plan.variable_layout(variable.path, shape),
-                )
-            paths = [v.path for v in model.variables]
-            plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
+            layouts.check_layouts(self.plan, model)
 
 
 def create_engine(plan, runtime, input_options):

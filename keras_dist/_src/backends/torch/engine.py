@@ -1,0 +1,376 @@
+"""torch's one execution model: a process per device, the glue of every plan.
+
+Every torch strategy with several devices runs one process (rank) per
+device in a `torch.distributed` job (see `runtime`). `TorchEngine` holds
+what is the same whatever the plan: this rank's device and auxiliary
+process group, the chief's random generators at the start of every call
+(`sync_rng_state`), the chief's values for new state
+(`broadcast_from_chief`), naming another rank's failure instead of this
+rank's consequent error, whether the call in progress reads metric values
+every step (`defer_metric_sync`), and the collectives of custom loops
+(`run`/`reduce`/`gather`/`distribute_dataset`).
+
+A plan's *policy* is a subclass that installs its step functions on a
+model (`attach`, with `steps.ModelSteps`) and, where it needs to, rewrites
+the input of a call (`prepare_call`) or limits custom loops
+(`check_custom_loop`): `data_parallel.MirroredEngine` (replicated
+variables, DDP) and `sharded.DTensorEngine` (DTensors over a device mesh).
+`backends/torch/__init__.py`'s `ENGINES` chooses the policy by plan type.
+One device without a job runs Keras's own step (`OneDeviceEngine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from keras import tree
+
+from keras_dist._src.backends.torch import devices as torch_devices
+from keras_dist._src.backends.torch.devices import torch_device
+from keras_dist._src.backends.torch.inputs import distribute_dataset
+from keras_dist._src.backends.torch.runtime import RankFailedError
+from keras_dist._src.cluster import supervision
+from keras_dist._src.core.rng import replicate_chief_generators
+from keras_dist._src.options import InputOptions
+from keras_dist._src.values import PerReplica, ReduceOp, local_results
+
+
+def sync_rng_state(runtime) -> None:
+    """Gives every rank the chief's global random generators.
+
+    Keras's torch data loader (and a torch `DataLoader(shuffle=True)`)
+    shuffles with torch's global generator, `PyDataset` with Python's
+    `random`, NumPy input pipelines with NumPy's: with the chief's states
+    (broadcast at the start of every call) every rank draws what the chief
+    draws, which is what one device draws after the same
+    `keras.utils.set_random_seed`. The chief's generators are left as
+    plain Keras leaves them (nothing is drawn from them here).
+    """
+    replicate_chief_generators(
+        runtime,
+        get_extra=lambda: torch.get_rng_state().numpy(),
+        set_extra=lambda v: torch.set_rng_state(
+            torch.from_numpy(v.astype(np.uint8))
+        ),
+    )
+
+
+def _flat_groups(tensors):
+    groups = {}
+    for t in tensors:
+        key = t.dtype if t.dtype.is_floating_point else torch.int64
+        groups.setdefault(key, []).append(t)
+    return groups
+
+
+def broadcast_from_chief(group, variables) -> None:
+    """Overwrites `variables` with rank 0's values (one collective a dtype,
+    over the process group `group`)."""
+    tensors = [v.value for v in variables]
+    with torch.no_grad():
+        for dtype, members in _flat_groups(tensors).items():
+            flat = torch.cat(
+                [t.detach().reshape(-1).to(dtype) for t in members]
+            )
+            dist.broadcast(flat, 0, group=group)
+            offset = 0
+            for t in members:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
+                offset += n
+
+
+class TorchEngine:
+    """One rank of a job with a process per device; a policy subclass
+    installs the steps.
+
+    Args:
+        devices: the strategy's devices (one per rank).
+        runtime: this process's `TorchRuntime`.
+        input_options: how input is sharded between ranks.
+    """
+
+    def __init__(self, devices, runtime, input_options=None):
+        self.devices = tuple(devices)
+        self.runtime = runtime
+        self.job = runtime.job
+        self.input_options = input_options or InputOptions()
+        if self.devices[0].startswith("cpu"):
+            torch_devices.claim_cpu_devices(len(self.devices))
+        index = min(self.job.local_rank, len(self.devices) - 1)
+        self.device = torch_device(self.devices[index])
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # Collectives of keras_dist's own (metrics, BatchNorm, the chief's
+        # values, custom loops) use their own group, so that their order
+        # can never interleave with DDP's asynchronous bucket all-reduces.
+        self.aux_group = dist.new_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo"
+        )
+        # Per call in progress (innermost last): whether nothing reads the
+        # per-step metric values, so their all-reduce can wait until read.
+        self._defer_metrics = []
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.job.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.job.world_size
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas of the model: one per rank unless a policy says."""
+        return self.job.world_size
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this is rank 0, the one that prints and writes files."""
+        return self.job.rank == 0
+
+    # -- calls ----------------------------------------------------------------
+    def scope(self):
+        """Variables are created as Keras creates them (on this rank's
+        device); a policy takes them over when a model is attached."""
+        return contextlib.nullcontext()
+
+    def begin_call(self) -> None:
+        """A policy's work at the start of every call (nothing here)."""
+
+    @contextlib.contextmanager
+    def call_scope(self):
+        """The chief's random generators (same shuffling on every rank);
+        another rank's failure is named."""
+        self._defer_metrics.append(False)
+        try:
+            self.begin_call()
+            sync_rng_state(self.runtime)
+            yield
+        except BaseException as error:
+            self._check_other_ranks(error)
+            raise
+        finally:
+            self._defer_metrics.pop()
+
+    @property
+    def defer_metric_sync(self) -> bool:
+        """Whether the call in progress reads metric values only at its end."""
+        return bool(self._defer_metrics) and self._defer_metrics[-1]
+
+    def set_defer_metric_sync(self, defer: bool) -> None:
+        """Sets `defer_metric_sync` for the call in progress (decided from
+        the caller's arguments, so alike on every rank)."""
+        if self._defer_metrics:
+            self._defer_metrics[-1] = bool(defer)
+
+    def prepare_call(self, name, method, args, kwargs):
+        """Every rank reads the whole input (global batches)."""
+        del name, method
+        return args, kwargs
+
+    def _check_other_ranks(self, error) -> None:
+        """Turns `error` into `RankFailedError` if another rank failed.
+
+        An exception of this rank's own is not reported here: the caller may
+        catch it (``try: model.fit(...) except ...``) and go on, so only an
+        uncaught exception (the excepthook) stops the job. If another rank
+        has already reported a failure (or a started child died), this
+        rank's error is a consequence of it and says so.
+        """
+        if isinstance(error, RankFailedError):
+            return
+        supervisor = self.job.supervisor
+        # A collective that failed because another rank died or failed:
+        # wait briefly for that failure to be reported, to name it.
+        polls = 4 if isinstance(error, (RuntimeError, OSError)) else 1
+        first = None
+        for attempt in range(polls):
+            if supervisor is not None:
+                for rank, proc in supervisor.children.items():
+                    code = proc.poll()
+                    if supervision.is_failure(code):
+                        supervisor.fail(
+                            f"rank {rank} {supervision.describe_exit(code)}"
+                        )
+            first = self._reported_failure()
+            if first or attempt + 1 == polls:
+                break
+            time.sleep(supervision.POLL_SECONDS)
+        if first:
+            self.job.mute()
+            raise RankFailedError(
+                f"Rank {self.rank} stops because another rank failed: "
+                f"{first}. Fix the error of that rank (its traceback is in "
+                "its output)."
+            ) from error
+
+    def _reported_failure(self) -> str | None:
+        """The failure a rank reported to the job's store, if any."""
+        job = self.job
+        try:
+            if job._report_store is None:
+                job._report_store = job._client()
+            store = job._report_store
+            if store is None or not store.check([supervision.ERROR_KEY]):
+                return None
+            return store.get(supervision.ERROR_KEY).decode() or None
+        except Exception:  # noqa: BLE001 - store gone: rank 0 died.
+            return "rank 0 is gone (its rendezvous store is unreachable)"
+
+    def attach(self, model) -> None:
+        """Installs the policy's step functions on `model`."""
+        raise NotImplementedError(type(self).__name__)
+
+    # -- collectives on per-rank values ---------------------------------------
+    def check_custom_loop(self, what: str) -> None:
+        """Raises if `strategy.<what>` cannot run under this policy."""
+        del what
+
+    def run(self, fn, args, kwargs):
+        """Calls `fn` on this rank's part (one replica per rank)."""
+        self.check_custom_loop("run")
+        return fn(*_select_local(args), **_select_local(kwargs))
+
+    def reduce(self, op, value, axis):
+        """Combines a per-replica value across ranks."""
+        self.check_custom_loop("reduce")
+        x = _as_tensor(local_results(value)[0]).to(self.device)
+        if axis is None:
+            total = x.detach().clone().float()
+            dist.all_reduce(total, group=self.aux_group)
+            if op is ReduceOp.MEAN:
+                total = total / self.world_size
+            return total
+        count = torch.tensor([float(x.shape[axis])], device=self.device)
+        total = x.detach().float().sum(axis)
+        packed = torch.cat([total.reshape(-1), count])
+        dist.all_reduce(packed, group=self.aux_group)
+        total = packed[:-1].reshape(total.shape)
+        if op is ReduceOp.MEAN:
+            total = total / packed[-1].clamp_min(1)
+        return total
+
+    def gather(self, value, axis):
+        """Concatenates each rank's value along `axis`."""
+        self.check_custom_loop("gather")
+        x = _as_tensor(local_results(value)[0]).to(self.device)
+        return all_gather_concat(x, axis, self.aux_group, self.world_size)
+
+    def local_results(self, value):
+        """The per-replica parts of `value` (this rank's)."""
+        return local_results(value)
+
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
+    def distribute_dataset(self, dataset):
+        """This rank's per-replica batches (one replica per rank)."""
+        self.check_custom_loop("distribute_dataset")
+        return distribute_dataset(dataset, self.rank, self.world_size)
+
+
+class OneDeviceEngine:
+    """Keras's own torch step on one device, no process group."""
+
+    is_chief = True
+
+    def __init__(self, device: str):
+        self.devices = (device,)
+        self._device = torch_device(device)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """One replica."""
+        return 1
+
+    def scope(self):
+        """Nothing to enter: Keras places variables on the device."""
+        return contextlib.nullcontext()
+
+    def call_scope(self):
+        """Nothing to enter."""
+        return contextlib.nullcontext()
+
+    def prepare_call(self, name, method, args, kwargs):
+        """The call's arguments, unchanged."""
+        return args, kwargs
+
+    def attach(self, model) -> None:
+        """Keras's own steps: nothing to install."""
+        del model
+
+    def run(self, fn, args, kwargs):
+        """Calls `fn`."""
+        return fn(*args, **kwargs)
+
+    def reduce(self, op, value, axis):
+        """The one replica's value (reduced along `axis`)."""
+        x = _as_tensor(local_results(value)[0])
+        if axis is None:
+            return x
+        return x.sum(axis) if op is ReduceOp.SUM else x.mean(axis)
+
+    def gather(self, value, axis):
+        """The one replica's value."""
+        return _as_tensor(local_results(value)[0])
+
+    def local_results(self, value):
+        """The per-replica parts of `value`."""
+        return local_results(value)
+
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
+    def distribute_dataset(self, dataset):
+        """Every batch whole."""
+        return distribute_dataset(dataset, 0, 1)
+
+
+def all_gather_concat(x, axis, group, world_size):
+    """Concatenates each rank's `x` along `axis` (sizes may differ)."""
+    x = torch.movedim(x.detach(), axis, 0).contiguous()
+    size = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]
+    longest = max(sizes)
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded, group=group)
+    out = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+    return torch.movedim(out, 0, axis)
+
+
+def _as_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(np.asarray(x))
+
+
+def _select_local(structure):
+    def pick(x):
+        if isinstance(x, PerReplica):
+            if len(x) != 1:
+                raise ValueError(
+                    "On torch each process holds one replica; a per-replica "
+                    f"value with {len(x)} parts cannot be used here. Pass "
+                    "this process's own part."
+                )
+            return x.values[0]
+        return x
+
+    if not structure:
+        return structure
+    return tree.map_structure(pick, structure, none_is_leaf=True)

@@ -1,0 +1,93 @@
+"""The state of one replicated torch step, in one object.
+
+A step of the replicated engine runs this rank's shard of the global batch
+(or, with the FILE and OFF shard policies, its own local batch). What the
+code called during the step needs to know of that shard — synchronised
+BatchNormalization (`batch_norm.sync_moments`), the global dropout mask
+(`steps.install_global_dropout`), the loss and metric weights — is one
+`StepContext`, made by the step for that step and passed on explicitly;
+during the training forward pass it is also held in the model's
+`StepSlot`, where the layers' replaced calls read it (a slot holding a
+context is what turns synchronised BatchNormalization and the global
+dropout mask on). Nothing of a step is left on the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from keras import tree
+
+from keras_dist._src.core.shards import shard_bounds
+
+
+@dataclasses.dataclass(slots=True)
+class StepContext:
+    """One step of this rank.
+
+    Attributes:
+        n_local: samples of this rank's shard (0: an empty shard).
+        n_global: samples of the global batch.
+        offset: where this rank's shard starts in the global batch; None
+            when the batch is this rank's own (FILE/OFF input).
+        phantom: the step runs on a stand-in sample for an empty shard (a
+            user's step): it counts for nothing (no BatchNormalization
+            statistics, zero gradient share, metric updates undone).
+    """
+
+    n_local: int
+    n_global: int
+    offset: int | None = None
+    phantom: bool = False
+
+
+class StepSlot:
+    """Where a training forward pass keeps its step's `StepContext` (None
+    outside one), for the layer calls keras_dist replaced to read."""
+
+    __slots__ = ("context",)
+
+    def __init__(self):
+        self.context = None
+
+    @contextlib.contextmanager
+    def training_forward(self, context: StepContext):
+        """Holds `context` during the forward pass."""
+        self.context = context
+        try:
+            yield
+        finally:
+            self.context = None
+
+
+def _first_leaf(x):
+    return next(t for t in tree.flatten(x) if t is not None)
+
+
+def shard_context(x, local_n_global, rank: int, world_size: int):
+    """The `StepContext` of a step on batch inputs `x`.
+
+    Args:
+        x: the batch's inputs as Keras passes them.
+        local_n_global: None when `x` is the global batch (every rank
+            keeps its `numpy.array_split` part); else `x` is this rank's
+            own batch (FILE/OFF input) and this the global batch's size.
+        rank: this rank.
+        world_size: the number of ranks.
+    """
+    if local_n_global is not None:
+        n_local = int(_first_leaf(x).shape[0]) if tree.flatten(x) else 0
+        return StepContext(n_local, local_n_global)
+    total = int(_first_leaf(x).shape[0])
+    start, stop = shard_bounds(total, rank, world_size)
+    return StepContext(stop - start, total, start)
+
+
+def slice_batch(structure, start: int, stop: int):
+    """Rows ``start:stop`` of every tensor of `structure`."""
+    return tree.map_structure(
+        lambda t: None if t is None else t[start:stop],
+        structure,
+        none_is_leaf=True,
+    )
