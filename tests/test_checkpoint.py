@@ -714,3 +714,52 @@ def test_sharded_commit_refuses_what_is_not_complete(tmp_path):
         shards.commit(root, 3, token, 2, {"step": 3}, timeout=0.1)
     # Nothing visible, nothing left behind.
     assert os.listdir(root) == []
+
+
+def _committed_sharded(root):
+    from keras_dist._src.checkpoint import shards
+
+    token = shards.begin(root, 4)
+    for rank in (0, 1):
+        temp = shards.temp_path(root, 4, token)
+        shards.write_own(temp, rank, _sharded_entries(rank)[1])
+    return shards.commit(root, 4, token, 2, {"step": 4})
+
+
+def _piece(meta, i=0):
+    return meta["arrays"][0]["pieces"][i]
+
+
+SHARDED_DEFECTS = {
+    "piece outside": lambda m: _piece(m).update(start=[3, 0]),
+    "piece in an unlisted file": lambda m: _piece(m).update(file="x.npz"),
+    "overlapping pieces": lambda m: _piece(m, 1).update(start=[1, 0]),
+    "member name": lambda m: _piece(m).update(name="../a0"),
+    "file outside": lambda m: m["files"].update(
+        {"../../secret": {"bytes": 1, "sha256": "0" * 64}}
+    ),
+    "no pieces": lambda m: m["arrays"][0].pop("pieces"),
+    "object dtype": lambda m: m["arrays"][0].update(dtype="object"),
+    "wrong piece shape": lambda m: _piece(m).update(shape=[2, 5]),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("defect", list(SHARDED_DEFECTS))
+def test_sharded_metadata_is_validated(tmp_path, defect):
+    """A hand-edited sharded metadata (checksum redone) is invalid: a
+    `CheckpointCorruptError` naming it, never another exception."""
+    root = str(tmp_path / "ck")
+    path = _committed_sharded(root)
+    meta_path = os.path.join(path, "metadata.json")
+    meta = json.loads(open(meta_path).read())
+    SHARDED_DEFECTS[defect](meta)
+    data = json.dumps(meta).encode()
+    open(meta_path, "wb").write(data)
+    commit = json.loads(open(os.path.join(path, "COMMIT")).read())
+    commit["metadata_sha256"] = hashlib.sha256(data).hexdigest()
+    open(os.path.join(path, "COMMIT"), "w").write(json.dumps(commit))
+    with pytest.raises(fmt.CheckpointCorruptError, match="invalid"):
+        fmt.verify(path)
+    with pytest.warns(UserWarning, match="Skipping checkpoint"):
+        assert checkpoint.latest(root) is None
