@@ -184,11 +184,12 @@ host, port = address.rsplit(":", 1)
 server = socket.socket()
 server.bind((host, int(port)))
 server.listen()
+# Dies only once the launcher has seen it listen (its probe connects).
 if mode == "ps_dies" and task["type"] == "ps":
-    time.sleep(0.5)
+    server.accept()
     sys.exit(2)
 if mode == "worker_dies" and task == {"type": "worker", "index": 1}:
-    time.sleep(0.3)
+    server.accept()
     sys.exit(0)
 time.sleep(60)
 """
@@ -227,4 +228,4 @@ def test_launch_ps_supervision_with_plain_socket_tasks(
     assert "(1 of 2 left)" in err
     code, out, err = launch("no_serve", workers=1)
     assert code == 1
-    assert "worker task 0 exited with code 1 before it listened" in err
+    assert "worker task 0 exited with code 1 before it was seen" in err

@@ -420,8 +420,9 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
             if (kind, index) in waiting:
                 log(
                     f"the {kind} task {index} {describe_exit(code)} before "
-                    "it listened: the job cannot start (see its output "
-                    "above; on ps and worker tasks the script must serve: "
+                    "it was seen listening: the job cannot start (see its "
+                    "output above; on ps and worker tasks the script must "
+                    "serve: "
                     "keras_dist.serve() or keras_dist."
                     "ParameterServerStrategy()). Stopping the job."
                 )
