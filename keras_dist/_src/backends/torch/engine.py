@@ -84,7 +84,20 @@ def broadcast_from_chief(group, variables) -> None:
                 offset += n
 
 
-class TorchEngine:
+class _Replicas:
+    """What every torch engine answers alike (a policy may override)."""
+
+    def local_results(self, value):
+        """The per-replica parts of `value` (this process's)."""
+        return local_results(value)
+
+    def placement(self, variable):
+        """Replicated: every device holds the whole variable."""
+        shape = tuple(variable.shape)
+        return (None,) * len(shape), shape
+
+
+class TorchEngine(_Replicas):
     """One rank of a job with a process per device; a policy subclass
     installs the steps.
 
@@ -263,22 +276,13 @@ class TorchEngine:
         x = _as_tensor(local_results(value)[0]).to(self.device)
         return all_gather_concat(x, axis, self.aux_group, self.world_size)
 
-    def local_results(self, value):
-        """The per-replica parts of `value` (this rank's)."""
-        return local_results(value)
-
-    def placement(self, variable):
-        """Replicated: every device holds the whole variable."""
-        shape = tuple(variable.shape)
-        return (None,) * len(shape), shape
-
     def distribute_dataset(self, dataset):
         """This rank's per-replica batches (one replica per rank)."""
         self.check_custom_loop("distribute_dataset")
         return distribute_dataset(dataset, self.rank, self.world_size)
 
 
-class OneDeviceEngine:
+class OneDeviceEngine(_Replicas):
     """Keras's own torch step on one device, no process group."""
 
     is_chief = True
@@ -322,15 +326,6 @@ class OneDeviceEngine:
     def gather(self, value, axis):
         """The one replica's value."""
         return _as_tensor(local_results(value)[0])
-
-    def local_results(self, value):
-        """The per-replica parts of `value`."""
-        return local_results(value)
-
-    def placement(self, variable):
-        """Replicated: every device holds the whole variable."""
-        shape = tuple(variable.shape)
-        return (None,) * len(shape), shape
 
     def distribute_dataset(self, dataset):
         """Every batch whole."""
