@@ -32,6 +32,9 @@ parser.add_argument(
     choices=["multi_worker", "model_parallel", "sharded"],
 )
 parser.add_argument("--mesh", default="2,2", help="batch,model axis sizes")
+parser.add_argument(
+    "--checkpoint", default=None, help="save a keras_dist checkpoint there"
+)
 args = parser.parse_args()
 
 if args.strategy == "model_parallel":
@@ -89,6 +92,9 @@ loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
 weights = model.get_weights()
 if args.out:  # every worker calls save: the chief writes the file
     model.save_weights(os.path.join(args.out, "final.weights.h5"))
+if args.checkpoint:  # every worker writes its own shards, the chief commits
+    keras_dist.checkpoint.save(model, args.checkpoint, async_save=True)
+    keras_dist.checkpoint.wait()
 if strategy.is_chief:
     print(
         f"workers={strategy.num_workers} "
