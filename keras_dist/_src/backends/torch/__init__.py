@@ -1,8 +1,12 @@
-"""The PyTorch backend of keras_dist (see `data_parallel`).
+"""The PyTorch backend of keras_dist (see `engine`).
 
-Same inner files as every backend: `devices`, `runtime`, `data_parallel`,
-`inputs`, `batch_norm`, `sharded`; this module re-exports the contract's
-functions and holds `ENGINES`, the registry of plan type -> engine.
+Same inner files as every backend: `devices`, `runtime`, `engine`,
+`data_parallel`, `inputs`, `batch_norm`, `sharded`; this module re-exports
+the contract's functions and holds `ENGINES`, the registry of plan type ->
+engine. One engine (`engine.TorchEngine`, a process per device) holds the
+glue every plan needs; each plan type has a small policy subclass of it:
+`data_parallel.MirroredEngine` (replicated variables, DDP) and
+`sharded.DTensorEngine` (DTensor layouts over a mesh).
 """
 
 from keras_dist._src import plan as _plan

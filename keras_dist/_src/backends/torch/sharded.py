@@ -21,7 +21,7 @@ weights, reductions of gradients and of the loss, metric and
 BatchNormalization statistics over the global batch). Nothing here writes
 a collective, except the broadcast of the chief's initial values.
 `Dropout` draws each mask for the global batch as one device does
-(`_global_dropout`). Convolution kernels stay whole: torch's DTensor
+(`_draw_global_mask`). Convolution kernels stay whole: torch's DTensor
 convolution follows its input's placements only.
 
 Keras's torch trainer computes with the tensors inside its own variables,
