@@ -84,20 +84,7 @@ def broadcast_from_chief(group, variables) -> None:
                 offset += n
 
 
-class _Replicas:
-    """What every torch engine answers alike (a policy may override)."""
-
-    def local_results(self, value):
-        """The per-replica parts of `value` (this process's)."""
-        return local_results(value)
-
-    def placement(self, variable):
-        """Replicated: every device holds the whole variable."""
-        shape = tuple(variable.shape)
-        return (None,) * len(shape), shape
-
-
-class TorchEngine(_Replicas):
+class TorchEngine:
     """One rank of a job with a process per device; a policy subclass
     installs the steps.
 
@@ -276,13 +263,21 @@ class TorchEngine(_Replicas):
         x = _as_tensor(local_results(value)[0]).to(self.device)
         return all_gather_concat(x, axis, self.aux_group, self.world_size)
 
+    def local_results(self, value):
+        """The per-replica parts of `value` (this rank's)."""
+        return local_results(value)
+
+    def placement(self, variable):
+        """Replicated (a policy may say otherwise)."""
+        return replicated_placement(variable)
+
     def distribute_dataset(self, dataset):
         """This rank's per-replica batches (one replica per rank)."""
         self.check_custom_loop("distribute_dataset")
         return distribute_dataset(dataset, self.rank, self.world_size)
 
 
-class OneDeviceEngine(_Replicas):
+class OneDeviceEngine:
     """Keras's own torch step on one device, no process group."""
 
     is_chief = True
@@ -327,9 +322,23 @@ class OneDeviceEngine(_Replicas):
         """The one replica's value."""
         return _as_tensor(local_results(value)[0])
 
+    def local_results(self, value):
+        """The one replica's part of `value`."""
+        return local_results(value)
+
+    def placement(self, variable):
+        """Replicated: the one device holds the whole variable."""
+        return replicated_placement(variable)
+
     def distribute_dataset(self, dataset):
         """Every batch whole."""
         return distribute_dataset(dataset, 0, 1)
+
+
+def replicated_placement(variable):
+    """``(layout, shard shape)`` of a variable every device holds whole."""
+    shape = tuple(variable.shape)
+    return (None,) * len(shape), shape
 
 
 def all_gather_concat(x, axis, group, world_size):
