@@ -279,3 +279,43 @@ def test_checkpoint_moves_between_layouts(tmp_path, reference):
                 compile_model(other)
         keras_dist.checkpoint.restore(other, tmp_path)
         assert max_relative_difference(saved, other.get_weights()) == 0.0
+
+
+@jax_only
+@pytest.mark.multi_device
+def test_sharded_embedding_trains_row_sharded_like_one_device():
+    """The parameter-server model file on JAX: `ShardedEmbedding`'s table
+    row-sharded over "model" by a LayoutMap (2x2 mesh) trains like Keras's
+    `Embedding` on one device."""
+
+    def make():
+        keras.utils.set_random_seed(5)
+        ids = keras.Input((3,), dtype="int32")
+        h = keras_dist.layers.ShardedEmbedding(12, 4, name="table")(ids)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(ids, keras.layers.Dense(1, name="head")(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 12, (40, 3)).astype("int32")
+    target = rng.normal(size=(40, 1)).astype("float32")
+    reference = make()
+    initial = reference.get_weights()
+    reference.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    mesh = keras_dist.DeviceMesh((2, 2), ("batch", "model"))
+    layouts = keras_dist.LayoutMap(mesh)
+    layouts[".*table/embeddings"] = ("model", None)
+    strategy = keras_dist.ModelParallel(layouts, "batch")
+    with strategy.scope():
+        model = make()
+        model.set_weights(initial)
+    model.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    table = [r for r in strategy.describe(model, print_fn=None)
+             if r["path"].endswith("table/embeddings")][0]  # fmt: skip
+    assert table["layout"] == ("model", None)
+    assert table["bytes_per_device"] == 12 * 4 * 4 // 2
+    assert (
+        max_relative_difference(reference.get_weights(), model.get_weights())
+        <= TOLERANCE
+    )
