@@ -116,8 +116,11 @@ KINDS = TOPOLOGIES
 INNER_MODULES = (
     "devices",
     "runtime",
+    "engine",
     "data_parallel",
     "sharded",
+    "central_storage",
+    "tpu",
     "inputs",
     "batch_norm",
 )
