@@ -895,8 +895,13 @@ sys.path.insert(0, {root!r})
 import keras_dist
 from tests import test_feature_matrix as matrix
 
-n, out, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-strategy = keras_dist.MirroredStrategy(devices=[f"cpu:{{i}}" for i in range(n)])
+n, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+if n == "zero3":  # every variable with a dimension 2 divides split over 2
+    strategy = keras_dist.ShardedDataParallel(min_size=0)
+else:
+    n = int(n)
+    strategy = keras_dist.MirroredStrategy(
+        devices=[f"cpu:{{i}}" for i in range(n)])
 results = {{}}
 for name in names or list(matrix.ROWS):
     if (name, "torch") in matrix.SKIP:
@@ -914,15 +919,16 @@ def torch_results(tmp_path_factory):
     from tests.utils import run_torch_script
 
     results = {}
-    for n in REPLICAS:
+    for n in REPLICAS + LAYOUTS:
         directory = tmp_path_factory.mktemp(f"torch{n}")
         out = directory / "results.json"
+        processes = 2 if n == "zero3" else n
         proc, seconds = run_torch_script(
             directory,
             _TORCH_SCRIPT.format(root=str(ROOT)),
             [n, out],
             timeout=300,
-            env={"KERAS_DIST_CPU_DEVICES": str(n)},
+            env={"KERAS_DIST_CPU_DEVICES": str(processes)},
         )
         if proc.returncode != 0 or not out.exists():
             error = (
@@ -936,9 +942,26 @@ def torch_results(tmp_path_factory):
     return results
 
 
-#: JAX also runs every row under ShardedDataParallel (ZeRO-3: every
-#: variable with a dimension that 2 divides is split over 2 devices).
-LAYOUTS = ("zero3",) if BACKEND == "jax" else ()
+#: (row, backend) -> (an error message the ShardedDataParallel run may raise,
+#: why). The Mirrored runs of these rows must still pass; a layout run that
+#: passes is fine too.
+LAYOUT_LIMITS = {
+    ("stateful_metrics", "torch"): (
+        "scatter_reduce",
+        "torch 2.13's DTensor has no sharding rule for aten.scatter_reduce "
+        "(a confusion-matrix metric on a batch-sharded DTensor)",
+    ),
+    ("masking_timestep_losses", "torch"): (
+        "unbind along the sharded dimension",
+        "a masked GRU unbinds its batch-sharded state (DTensor refuses the "
+        "unbind without a redistribution)",
+    ),
+}
+
+#: JAX and torch also run every row under ShardedDataParallel (ZeRO-3:
+#: every variable with a dimension that 2 divides is split over 2 devices;
+#: torch: 2 processes, every Keras variable a DTensor).
+LAYOUTS = ("zero3",) if BACKEND in ("jax", "torch") else ()
 
 
 @pytest.fixture(scope="module")
@@ -979,12 +1002,17 @@ def test_row(name, request, tmp_path):
     assert "error" not in reference, reference.get("error")
     reference = reference["result"]
     failures = []
+    limit = None
     for n in REPLICAS + LAYOUTS:
         if BACKEND == "torch":
             outcome = request.getfixturevalue("torch_results")[n][name]
         else:
             strategy = request.getfixturevalue("strategies")[n]
             outcome = _run_row(name, strategy, tmp_path / f"n{n}")
+        known = LAYOUT_LIMITS.get((name, BACKEND))
+        if n in LAYOUTS and known and known[0] in outcome.get("error", ""):
+            limit = known[1]
+            continue
         try:
             _check(name, reference, outcome, n)
         except AssertionError as error:
@@ -992,6 +1020,8 @@ def test_row(name, request, tmp_path):
         except pytest.fail.Exception as error:
             failures.append(str(error))
     assert not failures, "\n".join(failures)
+    if limit:
+        pytest.xfail(f"ShardedDataParallel: {limit}")
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look at one row

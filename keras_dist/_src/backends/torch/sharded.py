@@ -44,6 +44,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist._src import plan as plan_lib
 from keras_dist._src.backends.torch import layouts
@@ -260,21 +261,28 @@ class _StepFunctions(ModelSteps):
         """The model's variables as DTensors."""
         self.engine.lay_out(self.model)
 
+    # Inside a step, a plain tensor that Keras makes (a recurrent layer's
+    # zero state, a metric's constants, an optimizer's scalars) is the same
+    # on every rank: DTensor treats it as replicated
+    # (`implicit_replication`) instead of refusing the mix.
     def train_step(self, data):
         """Keras's `train_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
-        return layouts.to_plain(self.model.train_step(batch))
+        with implicit_replication():
+            return layouts.to_plain(self.model.train_step(batch))
 
     def test_step(self, data):
         """Keras's `test_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
-        return layouts.to_plain(self.model.test_step(batch))
+        with implicit_replication():
+            return layouts.to_plain(self.model.test_step(batch))
 
     def predict_step(self, data):
         """Keras's `predict_step`; the whole batch's outputs on every
         rank."""
         batch = self.engine.place_batch(data)
-        return layouts.to_plain(self.model.predict_step(batch))
+        with implicit_replication():
+            return layouts.to_plain(self.model.predict_step(batch))
 
 
 class _OneProcessEngine(OneDeviceEngine):
