@@ -763,3 +763,17 @@ def test_sharded_metadata_is_validated(tmp_path, defect):
         fmt.verify(path)
     with pytest.warns(UserWarning, match="Skipping checkpoint"):
         assert checkpoint.latest(root) is None
+
+
+def test_a_process_that_cannot_see_the_directory_says_so(tmp_path):
+    """Another host's process whose checkpoint path is not on a shared
+    filesystem does not find the chief's temporary directory: a clear
+    error, and nothing written."""
+    from keras_dist._src.checkpoint import shards
+    from keras_dist._src.checkpoint.format import CheckpointError
+
+    missing = tmp_path / ".ckpt-1.tmp-abcd"
+    entry = {"key": "w", "shape": [2], "dtype": "float32", "pieces": []}
+    with pytest.raises(CheckpointError, match="filesystem every process"):
+        shards.write_own(str(missing), 1, [entry])
+    assert list(tmp_path.iterdir()) == []

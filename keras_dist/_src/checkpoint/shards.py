@@ -85,6 +85,13 @@ def write_own(temp: str, rank: int, entries: list) -> dict:
     Raises:
         CheckpointError: for an array NumPy cannot store without pickle.
     """
+    if not os.path.isdir(temp):
+        raise fmt.CheckpointError(
+            f"Process {rank} cannot see the checkpoint directory {temp!r} "
+            "that the chief created: with several processes the checkpoint "
+            "directory must be on a filesystem every process sees (NFS, "
+            "Lustre, a shared volume). Point it there."
+        )
     arrays, owners = {}, []
     for entry in entries:
         for start, array in entry["pieces"]:
