@@ -118,6 +118,30 @@ try:
     out["error"] = None
 except keras_dist.LayoutError as error:
     out["error"] = str(error)
+# The parameter-server model file: ShardedEmbedding's table row-sharded.
+keras.backend.clear_session()
+mesh = keras_dist.DeviceMesh((1, 2), ("batch", "model"))
+layouts = keras_dist.LayoutMap(mesh)
+layouts[".*table/embeddings"] = ("model", None)
+strategy = keras_dist.ModelParallel(layouts, "batch")
+with strategy.scope():
+    keras.utils.set_random_seed(rank)
+    ids_in = keras.Input((3,), dtype="int32")
+    h = keras_dist.layers.ShardedEmbedding(12, 4, name="table")(ids_in)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+rng = np.random.default_rng(0)
+ids = rng.integers(0, 12, (40, 3)).astype("int32")
+target = rng.normal(size=(40, 1)).astype("float32")
+init = model.get_weights()
+model.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
+weights = model.get_weights()
+out["table"] = describe(strategy, model)["model/table/embeddings"]
+if rank == 0:
+    np.savez("embedding.npz", ids=ids, target=target)
+    np.savez("embedding_init.npz", *init)
+    np.savez("embedding_weights.npz", *weights)
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
 # Last: a strategy that fails to start leaves the job.
@@ -231,6 +255,23 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     }
     assert total["sdp"] < 0.6 * total["mirrored"], total
     assert total["mp"] < 0.6 * total["mirrored"], total
+
+    # ShardedEmbedding row-sharded over "model" trains like one device.
+    assert logs["table"] == [12 * 4 * 4 // 2, ["model", "None"]]
+    data = np.load(tmp_path / "embedding.npz")
+    keras.backend.clear_session()
+    ids = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(12, 4, name="table")(ids)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    reference = keras.Model(ids, keras.layers.Dense(1, name="head")(h))
+    reference.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    reference.set_weights(_load(tmp_path / "embedding_init.npz"))
+    reference.fit(
+        data["ids"], data["target"], batch_size=8, epochs=2, shuffle=False,
+        verbose=0,
+    )  # fmt: skip
+    got = _load(tmp_path / "embedding_weights.npz")
+    assert max_relative_difference(reference.get_weights(), got) <= 1e-5
 
     # Every rank reads the whole input: FILE sharding is refused.
     for rank in (0, 1):
