@@ -342,7 +342,12 @@ class _StepFunctions:
                 # One output of the step's executable is ready when all
                 # are: waiting on one leaf costs less than on every leaf.
                 leaves = jax.tree_util.tree_leaves(outputs)
-                engine.in_flight.append(leaves[:1] if leaves else state)
+                if leaves:
+                    engine.in_flight.append(leaves[:1])
+                else:
+                    # Only the state: it is donated to the next step, so it
+                    # cannot be waited on later; wait now.
+                    jax.block_until_ready(state)
             last_state[0] = state
             return outputs, state
 
