@@ -22,8 +22,6 @@ keeps Keras's own step.
 
 from __future__ import annotations
 
-import warnings
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -59,7 +57,6 @@ class ReplicaEngine:
     def __init__(self, devices, tf_strategy):
         self.devices = tuple(devices)
         self.tf_strategy = tf_strategy
-        self._warned = False
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -283,11 +280,6 @@ class ReplicaEngine:
                 parts[ctx.replica_id_in_sync_group],
             )
         )
-
-    def _warn(self, message):
-        if not self._warned:
-            self._warned = True
-            warnings.warn(message, stacklevel=4)
 
 
 def _split_single_batches(engine, model, function):
