@@ -1,7 +1,10 @@
 """Cluster discovery: one test per launcher source, plus bad settings."""
 
 import json
+import os
+import time
 
+import keras
 import pytest
 
 from keras_dist._src.cluster import environments as envs
@@ -240,6 +243,97 @@ def test_launch_arguments_and_bad_options():
         node_launcher.LaunchConfig(
             ["t.py"], nnodes=2, node_rank=3, master_port=1
         ).check()
+
+
+# A worker of `keras-dist launch` without any backend (about 0.1 s to
+# start): what each rank does for each mode of the launcher test below.
+_PLAIN_WORKER = """
+import os, signal, sys, time
+rank, mode = int(os.environ["RANK"]), sys.argv[1]
+print(f"pid {os.getpid()}", flush=True)
+if mode == "ok":
+    sys.exit(0)
+if mode == "preempted":
+    sys.exit(75)
+if mode == "signal":
+    def stop(signum, frame):
+        print(f"got signal {signum}", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGUSR1, stop)
+    here = os.path.dirname(os.path.abspath(__file__))
+    open(os.path.join(here, f"ready{rank}"), "w").close()
+elif rank == 1:  # fails while rank 0 still runs
+    if mode == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="backend-neutral: run in one lane only",
+)
+def test_launch_rules_with_plain_worker_processes(tmp_path, capfd):
+    # keras-dist launch --nproc-per-node 2: exit codes, prefixed output,
+    # forwarded signals, and a failed rank stopping the other one.
+    import signal
+    import threading
+
+    from keras_dist._src.cluster import node_launcher
+
+    script = tmp_path / "worker.py"
+    script.write_text(_PLAIN_WORKER)
+
+    def launch(mode):
+        config = node_launcher.LaunchConfig([str(script), mode], 2)
+        code = node_launcher.launch(config)
+        out, err = capfd.readouterr()
+        pids = [
+            int(line.split()[-1]) for line in out.splitlines() if "pid" in line
+        ]
+        return code, out, err, pids
+
+    code, out, err, _ = launch("ok")
+    assert code == 0, err
+    assert "[rank 0] pid " in out and "[rank 1] pid " in out
+    assert launch("preempted")[0] == 75  # requeue, not a failure
+    started = time.monotonic()
+    code, out, err, pids = launch("fails")
+    assert code == 3
+    assert "worker rank 1 exited with code 3; stopping the other" in err
+    assert time.monotonic() - started < 30  # rank 0 (60 s) was stopped
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    code, out, err, _ = launch("killed")
+    assert code == 128 + 9
+    assert "worker rank 1 was killed by SIGKILL" in err
+
+    def signal_when_ready():  # SIGUSR1 to the launcher, once both wait
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if len(list(tmp_path.glob("ready*"))) == 2:
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    sender = threading.Thread(target=signal_when_ready)
+    sender.start()
+    code, out, err, _ = launch("signal")
+    sender.join()
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[rank {rank}] got signal {int(signal.SIGUSR1)}" in out
+    assert signal.getsignal(signal.SIGUSR1) is previous  # restored
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _place(host, world=2, local_world=2, workers=()):

@@ -295,3 +295,50 @@ def test_pipe_watch_ends_a_worker_whose_launcher_died(tmp_path):
         _kill_and_check(proc.pid, [child])
     finally:
         _cleanup(proc)
+
+
+# Ignores SIGTERM, so that only SIGKILL stops it.
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="backend-neutral: run in one lane only"
+)
+def test_stop_processes_terminates_then_kills_after_the_grace():
+    # The one stop of every launcher (keras-dist launch with and without
+    # --ps, rank 0's Supervisor, local_cluster) and its exit codes.
+    from keras_dist._src.cluster import supervision
+
+    polite = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert stubborn.stdout.readline() == "ready\n"
+        started = time.monotonic()
+        supervision.stop_processes([polite, stubborn], grace=1.0)
+        waited = time.monotonic() - started
+        assert polite.returncode == -signal.SIGTERM
+        assert stubborn.returncode == -signal.SIGKILL
+        assert 1.0 <= waited < 10.0, waited
+        # grace=0: SIGKILL at once.
+        again = subprocess.Popen([sys.executable, "-c", STUBBORN])
+        supervision.stop_processes([again], grace=0)
+        assert again.returncode == -signal.SIGKILL
+    finally:
+        for proc in (polite, stubborn):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stubborn.stdout.close()
+    assert supervision.exit_status(stubborn.returncode) == 128 + 9
+    assert supervision.exit_status(3) == 3
+    assert supervision.exit_status(0) == 0

@@ -2,7 +2,9 @@
 
 Backend-neutral building blocks: pick a free port, build the command that
 re-runs the current program, start the other ranks with the environment
-variables torch.distributed (``env://``) and most launchers understand.
+variables torch.distributed (``env://``) and most launchers understand, and
+run a launcher's tasks with prefixed output and forwarded signals
+(`run_supervised`, for ``keras-dist launch`` with or without ``--ps``).
 The process that runs the user's script becomes rank 0 and supervises its
 children (`keras_dist._src.cluster.supervision`); each child exits when its
 parent dies.
@@ -15,13 +17,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
-from keras_dist._src.cluster.supervision import ENV_PARENT_PIPE
+from keras_dist._src.cluster.supervision import (
+    ENV_PARENT_PIPE,
+    stop_processes,
+)
 
 ENV_LAUNCHED = "KERAS_DIST_LAUNCHED"
 
 
 ENV_NO_LAUNCH = "KERAS_DIST_NO_LAUNCH"
+#: Signals a launcher passes on to every task (SIGUSR1: SLURM's
+#: ``--signal``).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+#: Seconds between SIGTERM and SIGKILL when a launcher stops its tasks.
+STOP_GRACE_S = 10.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -193,3 +204,82 @@ def start_workers(world_size: int, port: int, extra_env=None) -> dict:
             proc.kill()
         raise
     return children
+
+
+def script_command(command: list) -> list:
+    """`command` as a launcher runs it: a ``.py`` script runs with this
+    Python, unbuffered (so that prefixed output lines come as printed).
+
+    Raises:
+        ValueError: for an empty command.
+    """
+    if not command:
+        raise ValueError("Give the script to run: keras-dist launch ...")
+    command = list(command)
+    if command[0].endswith(".py"):
+        command = [sys.executable, "-u"] + command
+    return command
+
+
+def run_supervised(command, tasks, supervise, grace=STOP_GRACE_S) -> int:
+    """Runs one process of `command` per task until `supervise` ends the
+    job; every process is stopped before this returns.
+
+    Each task's output lines (stdout and stderr) are printed to stdout with
+    its prefix. SIGINT, SIGTERM and SIGUSR1 sent to this process are
+    forwarded to every live task while they run. Tasks are started with
+    `spawn` (they die with this process however it dies), from the calling
+    thread. At the end, live tasks get SIGTERM and, `grace` seconds later,
+    SIGKILL; the previous signal handlers are restored.
+
+    Args:
+        command: the program and its arguments (see `script_command`).
+        tasks: ``(key, prefix, env)`` for each process, in start order.
+        supervise: called with ``{key: Popen}`` once every task started;
+            returns the job's exit code when the job is over.
+        grace: seconds between SIGTERM and SIGKILL at the end.
+
+    Returns:
+        What `supervise` returned.
+    """
+    procs, pumps = {}, []
+
+    def forward(signum, frame):
+        del frame
+        for proc in list(procs.values()):
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        for key, prefix, env in tasks:
+            proc = spawn(
+                command,
+                env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                encoding="utf-8",
+                errors="replace",  # a stray byte must not stop the pump
+                bufsize=1,
+            )
+            procs[key] = proc
+            pump = threading.Thread(
+                target=_pump, args=(proc.stdout, prefix), daemon=True
+            )
+            pump.start()
+            pumps.append(pump)
+        return supervise(procs)
+    finally:
+        stop_processes(procs.values(), grace)
+        for pump in pumps:
+            pump.join(5.0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _pump(stream, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+    stream.close()

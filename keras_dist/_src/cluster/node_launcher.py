@@ -22,23 +22,20 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 
-from keras_dist._src.cluster.launcher import ENV_LAUNCHED, free_port, spawn
+from keras_dist._src.cluster.launcher import (
+    ENV_LAUNCHED,
+    free_port,
+    run_supervised,
+    script_command,
+)
 from keras_dist._src.cluster.supervision import (
     PREEMPTION_EXIT_CODE,
     describe_exit,
+    exit_status,
     log,
+    watch_processes,
 )
-
-#: Signals passed on to every worker (SIGUSR1: SLURM's ``--signal``).
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-#: Seconds between SIGTERM and SIGKILL when the launcher stops workers.
-STOP_GRACE_S = 10.0
 
 
 @dataclasses.dataclass
@@ -138,14 +135,6 @@ def _configured_backend() -> str:
     return keras.backend.backend()
 
 
-def _pump(stream, rank: int, out) -> None:
-    prefix = f"[rank {rank}] "
-    for line in iter(stream.readline, ""):
-        out.write(prefix + line)
-        out.flush()
-    stream.close()
-
-
 def launch(config: LaunchConfig) -> int:
     """Starts this node's workers, supervises them and returns the exit
     code: 0 when all succeed, else the first failure's code."""
@@ -156,86 +145,36 @@ def launch(config: LaunchConfig) -> int:
         return launch_ps(
             config.command, config.workers, config.ps, config.master_addr
         )
-    command = list(config.command)
-    if command[0].endswith(".py"):
-        command = [sys.executable, "-u"] + command
-    procs, pumps = {}, []
-    stop = threading.Event()
-    forwarded = []
-
-    def forward(signum, frame):
-        del frame
-        forwarded.append(signum)
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
-    try:
-        for env in worker_environments(config):
-            rank = int(env["RANK"])
-            proc = spawn(
-                command,
-                env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                encoding="utf-8",
-                errors="replace",  # a stray byte must not stop the pump
-                bufsize=1,
-            )
-            procs[rank] = proc
-            pump = threading.Thread(
-                target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True
-            )
-            pump.start()
-            pumps.append(pump)
-        code = _supervise(procs, stop)
-    finally:
-        _stop_all(procs)
-        for pump in pumps:
-            pump.join(5.0)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return code
+    tasks = [
+        (int(env["RANK"]), f"[rank {env['RANK']}] ", env)
+        for env in worker_environments(config)
+    ]
+    return run_supervised(script_command(config.command), tasks, _supervise)
 
 
-def _supervise(procs: dict, stop: threading.Event) -> int:
-    preempted = False
-    while not stop.is_set():
-        running = False
-        for rank, proc in procs.items():
-            code = proc.poll()
-            if code is None:
-                running = True
-            elif code == PREEMPTION_EXIT_CODE:
-                # Saved and stopped for preemption: not a failure. The other
-                # workers agreed on the same step and are finishing too.
-                preempted = True
-            elif code != 0:
+def _supervise(procs: dict) -> int:
+    """Waits for the workers: the first failure's exit code (the others
+    are then stopped), else 0, or `PREEMPTION_EXIT_CODE` when some stopped
+    for preemption."""
+    preempted = set()
+
+    def decide(codes):
+        for rank, code in codes.items():
+            if code == PREEMPTION_EXIT_CODE:
+                # Saved and stopped for preemption: not a failure. The
+                # other workers agreed on the same step and finish too.
+                preempted.add(rank)
+            elif code not in (None, 0):
                 log(
                     f"worker rank {rank} {describe_exit(code)}; stopping "
                     "the other workers of this node."
                 )
-                _stop_all(procs)
-                return code if code > 0 else 128 - code
-        if not running:
+                return exit_status(code)
+        if None not in codes.values():
             return PREEMPTION_EXIT_CODE if preempted else 0
-        time.sleep(0.2)
-    return 1
+        return None
 
-
-def _stop_all(procs: dict, grace: float = STOP_GRACE_S) -> None:
-    live = [p for p in procs.values() if p.poll() is None]
-    for proc in live:
-        proc.terminate()
-    deadline = time.monotonic() + grace
-    for proc in live:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return watch_processes(procs, decide, 0.2)
 
 
 def add_arguments(parser) -> None:

@@ -23,6 +23,19 @@ from keras_dist._src.cluster.environments import (
     TaskSpec,
     read_task_spec,
 )
+from keras_dist._src.cluster.launcher import (
+    ENV_LAUNCHED,
+    run_supervised,
+    script_command,
+)
+from keras_dist._src.cluster.launcher import free_port as host_port
+from keras_dist._src.cluster.supervision import (
+    describe_exit,
+    exit_status,
+    log,
+    stop_processes,
+    watch_processes,
+)
 
 #: Printed by a serving task once its server listens.
 READY_LINE = "keras_dist: server ready"
@@ -157,11 +170,8 @@ def local_cluster(
                     )
         yield cluster, processes
     finally:
+        stop_processes(processes.values(), grace=0)
         for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-        for process in processes.values():
-            process.wait()
             if process.stdout:
                 process.stdout.close()
 
@@ -237,9 +247,6 @@ def ps_task_environments(
     Raises:
         ValueError: for no worker or ps task, or another Keras backend.
     """
-    from keras_dist._src.cluster.launcher import ENV_LAUNCHED
-    from keras_dist._src.cluster.launcher import free_port as host_port
-
     if num_workers < 1 or num_ps < 1:
         raise ValueError(
             "A parameter-server job needs --workers >= 1 and --ps >= 1; got "
@@ -329,73 +336,35 @@ def launch_ps(
         The exit code: the chief's, or the failed task's (128 + the signal
         for a task killed by a signal).
     """
-    import signal
-    import threading
-
-    from keras_dist._src.cluster.launcher import spawn
-
-    if not command:
-        raise ValueError("Give the script to run: keras-dist launch ...")
-    command = list(command)
-    if command[0].endswith(".py"):
-        command = [sys.executable, "-u"] + command
-    tasks = ps_task_environments(num_workers, num_ps, host)
-    procs, pumps = {}, []
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-    def forward(signum, frame):
-        del frame
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    def start(kind, index, env):
-        name = "chief" if kind == "chief" else f"{kind} {index}"
-        proc = spawn(
-            command,
+    command = script_command(command)
+    tasks = [
+        (
+            (kind, index),
+            "[chief] " if kind == "chief" else f"[{kind} {index}] ",
             env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            bufsize=1,
         )
-        procs[(kind, index)] = proc
-        pump = threading.Thread(
-            target=_pump, args=(proc.stdout, f"[{name}] "), daemon=True
-        )
-        pump.start()
-        pumps.append(pump)
-
-    def code_of(returncode):
-        return returncode if returncode > 0 else 128 - returncode
-
-    previous = {s: signal.signal(s, forward) for s in forwarded}
-    try:
-        # All at once (the chief waits until the others listen: see
-        # wait_until_listening), so that their starts overlap.
-        for kind, index, env in tasks:
-            start(kind, index, env)
-        addresses = {(kind, index): _address(env) for kind, index, env in tasks}
-        return _supervise_ps(
-            procs, addresses, num_workers, start_timeout, code_of
-        )
-    finally:
-        _stop_tasks(procs)
-        for pump in pumps:
-            pump.join(5.0)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for kind, index, env in ps_task_environments(num_workers, num_ps, host)
+    ]
+    addresses = {key: _address(env) for key, _, env in tasks}
+    # All at once (the chief waits until the others listen: see
+    # wait_until_listening), so that their starts overlap.
+    return run_supervised(
+        command,
+        tasks,
+        lambda procs: _supervise_ps(
+            procs, addresses, num_workers, start_timeout
+        ),
+    )
 
 
-def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
-    from keras_dist._src.cluster.supervision import describe_exit, log
-
+def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
+    """Watches a parameter-server job (`launch_ps`'s rules); returns its
+    exit code."""
     lost_workers = set()
     waiting = {key for key in procs if key[0] != "chief"}
     deadline = time.monotonic() + start_timeout
-    while True:
+
+    def decide(codes):
         for key in sorted(waiting):
             if _listens(*addresses[key]):
                 waiting.discard(key)
@@ -405,16 +374,15 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
                 f"{start_timeout:.0f} s; stopping the job."
             )
             return 1
-        chief = procs[("chief", 0)].poll()
+        chief = codes[("chief", 0)]
         if chief is not None:
             if chief != 0:
                 log(
                     f"the chief {describe_exit(chief)}; stopping the ps "
                     "and worker tasks."
                 )
-            return code_of(chief) if chief else 0
-        for (kind, index), proc in procs.items():
-            code = proc.poll()
+            return exit_status(chief)
+        for (kind, index), code in codes.items():
             if code is None or kind == "chief":
                 continue
             if (kind, index) in waiting:
@@ -426,7 +394,7 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
                     "keras_dist.serve() or keras_dist."
                     "ParameterServerStrategy()). Stopping the job."
                 )
-                return code_of(code) if code else 1
+                return exit_status(code) or 1
             if kind == "ps":
                 log(
                     f"ps task {index} {describe_exit(code)}: the variables "
@@ -436,7 +404,7 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
                     "Restart the job: a BackupAndRestore callback resumes "
                     "fit from the last epoch it saved."
                 )
-                return code_of(code) if code else 1
+                return exit_status(code) or 1
             if index not in lost_workers:
                 lost_workers.add(index)
                 log(
@@ -450,8 +418,10 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout, code_of):
                         "every worker task is gone, so no step can run; "
                         "stopping the job."
                     )
-                    return code_of(code) if code else 1
-        time.sleep(0.2)
+                    return exit_status(code) or 1
+        return None
+
+    return watch_processes(procs, decide, 0.2)
 
 
 def wait_until_listening(cluster: dict, timeout: float = 300.0) -> None:
@@ -488,23 +458,3 @@ def wait_until_listening(cluster: dict, timeout: float = 300.0) -> None:
 def _split_address(address: str) -> tuple:
     host, port = address.rsplit(":", 1)
     return host.strip("[]"), int(port)
-
-
-def _pump(stream, prefix: str) -> None:
-    for line in iter(stream.readline, ""):
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
-    stream.close()
-
-
-def _stop_tasks(procs: dict, grace: float = 10.0) -> None:
-    live = [p for p in procs.values() if p.poll() is None]
-    for proc in live:
-        proc.terminate()
-    deadline = time.monotonic() + grace
-    for proc in live:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -112,6 +112,57 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def exit_status(returncode: int) -> int:
+    """A child's return code as this process's exit code: the code
+    itself, or 128 + N for a child killed by signal N (as a shell does)."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def stop_processes(procs, grace: float) -> None:
+    """Stops every live process of `procs` and waits for all of them.
+
+    Each gets SIGTERM, and SIGKILL if it still runs `grace` seconds after
+    (at once for ``grace <= 0``).
+
+    Args:
+        procs: `subprocess.Popen` objects (any iterable).
+        grace: seconds between SIGTERM and SIGKILL.
+    """
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        if grace > 0:
+            proc.terminate()
+        else:
+            proc.kill()
+    deadline = time.monotonic() + grace
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def watch_processes(procs: dict, decide, interval: float, stop=None):
+    """Polls `procs` until `decide` gives a result; returns it.
+
+    Args:
+        procs: ``{key: Popen}``.
+        decide: called every `interval` seconds with ``{key: returncode}``
+            (None for a process still running); returns None to go on
+            watching, or the result (an exit code, a message).
+        interval: seconds between polls.
+        stop: an optional `threading.Event`; once set, the watch ends and
+            returns None.
+    """
+    while stop is None or not stop.is_set():
+        result = decide({key: proc.poll() for key, proc in procs.items()})
+        if result is not None:
+            return result
+        time.sleep(interval)
+    return None
+
+
 def is_failure(code) -> bool:
     """Whether a child's exit code (None: still running) is a failure.
 
@@ -154,26 +205,21 @@ class Supervisor:
         return self
 
     def _watch(self) -> None:
-        while not self._stopping.is_set():
-            for rank, proc in self.children.items():
-                code = proc.poll()
+        def first_failure(codes):
+            for rank, code in codes.items():
                 if is_failure(code):
-                    self.fail(f"rank {rank} {describe_exit(code)}")
-                    return
-            time.sleep(POLL_SECONDS)
+                    return f"rank {rank} {describe_exit(code)}"
+            return None
+
+        failure = watch_processes(
+            self.children, first_failure, POLL_SECONDS, self._stopping
+        )
+        if failure is not None:
+            self.fail(failure)
 
     def terminate_children(self, grace: float = 5.0) -> None:
         """Sends SIGTERM to live children, then SIGKILL after `grace` s."""
-        live = [p for p in self.children.values() if p.poll() is None]
-        for proc in live:
-            proc.terminate()
-        deadline = time.monotonic() + grace
-        for proc in live:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.children.values(), grace)
 
     def fail(self, message: str) -> None:
         """Reports `message`, stops every child and ends this process."""
