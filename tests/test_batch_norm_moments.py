@@ -6,6 +6,7 @@ weights, dtypes. Global-batch parity with several replicas is checked by the
 parity and feature-matrix tests.
 """
 
+import keras
 import numpy as np
 import pytest
 from keras import ops
@@ -110,3 +111,50 @@ def test_gathered_moments_on_one_replica_match_the_two_pass_formula():
             np.testing.assert_allclose(
                 ops.convert_to_numpy(a), ops.convert_to_numpy(b), 1e-4
             )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch only")
+@pytest.mark.parametrize(
+    "shape,axes,offset",
+    [
+        ((8, 5, 5, 3), [0, 1, 2], 0.0),
+        ((8, 5, 5, 3), [0, 1, 2], 1e4),  # the mean dwarfs the spread
+        ((6, 4), [0], 1e4),
+        ((4, 3, 5, 5), [0, 2, 3], 0.0),  # channels first: not a 2-D view
+        ((0, 4, 4, 3), [0, 1, 2], 0.0),  # an empty shard
+    ],
+)
+def test_torch_local_moments_match_autograd_of_the_formula(shape, axes, offset):
+    """torch's `_LocalMoments` (hand-written backward) gives the values and
+    input gradients of `gathered_moments` under autograd, through Keras's
+    normalisation."""
+    import torch
+    from keras.src.backend.torch import nn as torch_nn
+
+    from keras_dist._src.backends.torch.batch_norm import (
+        _LocalMoments,
+        local_gathered_moments,
+    )
+    from keras_dist._src.core.batch_norm import gathered_moments
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=generator) + offset).requires_grad_()
+    upstream = torch.randn(shape, generator=generator)
+    channel_axis = 1 if axes == [0, 2, 3] else -1
+    results = []
+    for moments in (gathered_moments, local_gathered_moments):
+        mean, variance = moments(x, axes, lambda v: v[None])
+        y = torch_nn.batch_normalization(x, mean, variance, channel_axis)
+        (y * upstream).sum().backward()
+        results.append((mean.detach(), variance.detach(), x.grad))
+        x.grad = None
+    for expected, got in zip(*results):
+        scale = float(expected.abs().max()) if expected.numel() else 1.0
+        np.testing.assert_allclose(
+            got.numpy(), expected.numpy(), rtol=0, atol=1e-6 * scale
+        )
+    if x.numel():
+        x64 = x.detach().double()[:3].requires_grad_()
+        assert torch.autograd.gradcheck(
+            lambda t: _LocalMoments.apply(t, tuple(axes))[:2], (x64,)
+        )
