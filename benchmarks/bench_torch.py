@@ -25,7 +25,12 @@ Every process uses one thread (``OMP_NUM_THREADS=1``). Run::
 
     KERAS_BACKEND=torch [BENCH_MODEL=pooled] [BENCH_BATCH=64] \\
         [BENCH_SYNC_BN=0] python benchmarks/bench_torch.py \\
-        [--steps 40] [--repeats 3]
+        [--steps 40] [--repeats 3] [--modes keras,keras_dist]
+
+Besides wall time, each mode reports its CPU time per step (this
+process's, every thread of it: for keras_dist and DDP rank 0's): on a
+loaded machine the work a step does is steadier than its wall time, and
+wall minus CPU is time spent waiting (for the other rank, for gloo).
 
 ``BENCH_SYNC_BN=0`` gives keras_dist per-process BatchNormalization, like
 the DDP baseline.
@@ -126,9 +131,12 @@ def _time_keras_fit(model, x, y, batch, steps):
         )
 
     fit(WARMUP)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fit(steps)
-    return (time.perf_counter() - start) / steps
+    return (
+        (time.perf_counter() - start) / steps,
+        (time.process_time() - cpu) / steps,
+    )
 
 
 def run_keras(steps):
@@ -155,7 +163,8 @@ def run_keras_dist(steps):
 
 
 def _time_torch_loop(module, parameters, rank, world, steps, sync=None):
-    """Seconds per step of a plain torch loop, batch `BATCH` per process."""
+    """Wall and CPU seconds per step of a plain torch loop, batch `BATCH`
+    per process."""
     import torch
     from torch import nn
 
@@ -176,12 +185,15 @@ def _time_torch_loop(module, parameters, rank, world, steps, sync=None):
         step(i)
     if sync:
         sync()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(WARMUP, WARMUP + steps):
         step(i)
     if sync:
         sync()
-    return (time.perf_counter() - start) / steps
+    return (
+        (time.perf_counter() - start) / steps,
+        (time.process_time() - cpu) / steps,
+    )
 
 
 def run_torch(steps):
@@ -245,20 +257,33 @@ def _start(mode, steps):
 
 def _result(mode, proc):
     stdout, stderr = proc.communicate(timeout=900)
-    match = re.search(r"STEP_SECONDS ([0-9.e-]+)", stdout)
+    match = re.search(r"STEP_SECONDS ([0-9.e-]+) CPU ([0-9.e-]+)", stdout)
     if proc.returncode != 0 or not match:
         raise RuntimeError(f"{mode} failed:\n{stderr[-3000:]}")
-    return float(match.group(1))
+    return float(match.group(1)), float(match.group(2))
 
 
 def _measure(mode, steps):
-    """Step seconds of `mode`; ``keras_x2`` runs two one-process Keras fits
-    at once (mean of the two): the same per-process batch with both cores
-    busy, as keras_dist's two ranks keep them."""
+    """``(wall, CPU)`` step seconds of `mode`; ``keras_x2`` runs two
+    one-process Keras fits at once (mean of the two): the same per-process
+    batch with both cores busy, as keras_dist's two ranks keep them."""
     if mode == "keras_x2":
         procs = [_start("keras", steps) for _ in range(2)]
-        return sum(_result("keras", p) for p in procs) / 2
+        results = [_result("keras", p) for p in procs]
+        return tuple(float(np.mean(r)) for r in zip(*results))
     return _result(mode, _start(mode, steps))
+
+
+def _ratio_line(runs, a, b, note, what):
+    """``a / b`` from per-repeat values: ratio of medians, and the median
+    and quartiles of the per-repeat ratios."""
+    paired = np.array(runs[a]) / np.array(runs[b])
+    q1, q2, q3 = np.percentile(paired, [25, 50, 75])
+    ratio = np.median(runs[a]) / np.median(runs[b])
+    return (
+        f"{what} {a} / {b}: {ratio:.3f} (per-repeat median {q2:.3f}, "
+        f"quartiles {q1:.3f}..{q3:.3f}) {note}"
+    )
 
 
 def main():
@@ -267,21 +292,35 @@ def main():
     parser.add_argument("--mode", choices=sorted(MODES))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--modes",
+        default=",".join([*MODES, "keras_x2"]),
+        help="comma-separated modes to run (default: all)",
+    )
     args = parser.parse_args()
     if args.mode:
         seconds = MODES[args.mode](args.steps)
         if seconds is not None:
-            print(f"STEP_SECONDS {seconds:.6f}", flush=True)
+            wall, cpu = seconds
+            print(f"STEP_SECONDS {wall:.6f} CPU {cpu:.6f}", flush=True)
         return
-    modes = [*MODES, "keras_x2"]
-    runs = {mode: [] for mode in modes}
+    modes = args.modes.split(",")
+    unknown = set(modes) - {*MODES, "keras_x2"}
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}")
+    walls = {mode: [] for mode in modes}
+    cpus = {mode: [] for mode in modes}
     for _ in range(args.repeats):  # interleaved, so drift hits every mode
         for mode in modes:
-            runs[mode].append(_measure(mode, args.steps))
-    times = {mode: float(np.median(values)) for mode, values in runs.items()}
+            wall, cpu = _measure(mode, args.steps)
+            walls[mode].append(wall)
+            cpus[mode].append(cpu)
     print(f"median of {args.repeats} interleaved runs, model {MODEL!r}:")
-    for mode, seconds in times.items():
-        print(f"{mode:>11}: {1000 * seconds:8.2f} ms/step")
+    for mode in modes:
+        print(
+            f"{mode:>11}: {1000 * np.median(walls[mode]):8.2f} ms/step, "
+            f"CPU {1000 * np.median(cpus[mode]):8.2f} ms/step"
+        )
     ratios = [
         ("keras_dist", "keras", "(target <= 1.10)"),
         ("keras_dist", "keras_x2", ""),
@@ -289,12 +328,9 @@ def main():
         ("ddp", "torch", "(what gloo costs torch itself)"),
     ]
     for a, b, note in ratios:
-        # The ratio of medians, and the median of the per-repeat ratios.
-        paired = np.median(np.array(runs[a]) / np.array(runs[b]))
-        print(
-            f"{a} / {b}: {times[a] / times[b]:.3f} "
-            f"(per-repeat median {paired:.3f}) {note}"
-        )
+        if a in walls and b in walls:
+            print(_ratio_line(walls, a, b, note, "wall"))
+            print(_ratio_line(cpus, a, b, "", " CPU"))
 
 
 if __name__ == "__main__":
