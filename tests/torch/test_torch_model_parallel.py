@@ -8,16 +8,22 @@ ShardedDataParallel on a 1-D mesh, each from rank 0's initial weights;
 it also records bytes per rank (`strategy.describe`, from the local
 shards) under MirroredStrategy, a LayoutMap key that matches nothing, and
 a checkpoint written under ModelParallel 1x2 and restored into the 2x1
-layout. A second run trains on 4 processes with a 2x2 mesh, with
-Dropout(0.3). The reference is plain Keras on one device in the test
-process, from the same initial weights; the checkpoint is also restored
-there.
+layout. Beside it, one JAX process writes a ModelParallel 2x2 checkpoint
+(4 simulated devices) that the torch job restores into its 1x2 layout (each
+rank reading only its shards, then one step of `fit`), and restores the
+torch job's 1x2 checkpoint into its 2x2 layout. A second run trains on 4
+processes with a 2x2 mesh, with Dropout(0.3). The reference is plain Keras
+on one device in the test process, from the same initial weights; the
+checkpoints are also restored there.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -95,14 +101,121 @@ def train(name, strategy):
     return model
 """
 
+FROM_JAX = """
+
+
+def restore_from_jax():
+    # The JAX ModelParallel 2x2 checkpoint written beside this job: each
+    # rank's shards, the whole values, and one step of fit after it.
+    import time
+    from keras_dist._src.keras_glue import internals
+    deadline = time.monotonic() + 600
+    while not os.path.isdir("jax_ckpt/ckpt-1"):
+        if os.path.exists("jax.error") or time.monotonic() > deadline:
+            raise RuntimeError("the JAX process wrote no checkpoint")
+        time.sleep(0.05)
+    strategy = keras_dist.ModelParallel(layout_map((1, 2)), "batch")
+    model = build(strategy)
+    keras_dist.checkpoint.restore(model, "jax_ckpt")
+    local, whole = dict(), dict()
+    for group, variables in (
+        ("model", model.variables),
+        ("optimizer", model.optimizer.variables),
+        ("metrics", model.metrics_variables),
+    ):
+        for v in variables:
+            key = group + "/" + v.path
+            value = internals.variable_value(v)
+            if hasattr(value, "to_local"):  # this rank's part only
+                value = value.to_local()
+            local[key] = value.detach().cpu().numpy()
+            whole[key] = np.asarray(v)  # every rank: a gather
+    np.savez("from_jax_local%d.npz" % rank, **local)
+    if rank == 0:
+        np.savez("from_jax_whole.npz", **whole)
+    rows = describe(strategy, model)
+    model.fit(x[:16], y[:16], sample_weight=sw[:16], batch_size=16,
+              epochs=1, shuffle=False, verbose=0)
+    weights = model.get_weights()  # every rank: a gather
+    if rank == 0:
+        np.savez("from_jax_step.npz", *weights)
+    return rows
+"""
+
+# One JAX process on 4 simulated devices, started beside the torch job:
+# writes a ModelParallel 2x2 checkpoint (kernels split over "model",
+# replicated over "batch") of a model whose every variable, optimizer slot
+# and metric holds distinct values (set, not trained: a compilation less),
+# then restores the torch job's 1x2 checkpoint into the 2x2 layout.
+JAX = """
+import json, os, time, traceback
+import numpy as np
+import keras, keras_dist
+from tests.utils import build_model, compile_model
+
+
+def build(seed):
+    keras.backend.clear_session()
+    mesh = keras_dist.DeviceMesh((2, 2), ("batch", "model"))
+    layouts = keras_dist.LayoutMap(mesh)
+    layouts["batch_normalization/gamma"] = ("model",)
+    layouts["dense/kernel"] = (None, "model")
+    layouts["dense_1/kernel"] = ("model", None)
+    with keras_dist.ModelParallel(layouts, "batch").scope():
+        model = build_model(seed=seed)
+        compile_model(model)
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def shards(model):
+    kernel = model.get_layer("dense").kernel.value
+    return sorted(set(tuple(s.data.shape) for s in kernel.addressable_shards))
+
+
+try:
+    model = build(11)
+    rng, state = np.random.default_rng(1), dict()
+    for group, variables in (
+        ("model", model.variables),
+        ("optimizer", model.optimizer.variables),
+        ("metrics", model.metrics_variables),
+    ):
+        for v in variables:
+            value = rng.uniform(0.5, 1.5, v.shape).astype(v.dtype)
+            if "int" in v.dtype:
+                value = np.full(v.shape, 7, v.dtype)
+            v.assign(value)
+            state[group + "/" + v.path] = keras.ops.convert_to_numpy(v)
+    np.savez("jax_state.npz", **state)
+    saved_shards = shards(model)
+    keras_dist.checkpoint.save(model, "jax_ckpt", step=1)
+    deadline = time.monotonic() + 600
+    while not os.path.isdir("ckpt/ckpt-1"):  # the torch job's
+        if os.path.exists("torch.done") or time.monotonic() > deadline:
+            raise RuntimeError("the torch job wrote no checkpoint")
+        time.sleep(0.05)
+    model = build(12)
+    keras_dist.checkpoint.restore(model, "ckpt")
+    np.savez("jax_restored.npz", *model.get_weights())
+    with open("jax.json", "w") as f:
+        json.dump({"saved": saved_shards, "restored": shards(model)}, f)
+except BaseException:
+    with open("jax.error", "w") as f:
+        f.write(traceback.format_exc())
+    raise
+"""
+
 TWO = (
     COMMON
+    + FROM_JAX
     + """
 model = train("mp1x2", keras_dist.ModelParallel(layout_map((1, 2)), "batch"))
 keras_dist.checkpoint.save(model, "ckpt", step=1)
 restored = build(keras_dist.ModelParallel(layout_map((2, 1)), "batch"))
 keras_dist.checkpoint.restore(restored, "ckpt")
 out["restored"] = [w.tolist() for w in restored.get_weights()]
+out["from_jax"] = restore_from_jax()
 train("mp2x1", keras_dist.ModelParallel(layout_map((2, 1)), "batch"))
 train("sdp", keras_dist.ShardedDataParallel())
 mirrored = keras_dist.MirroredStrategy()
@@ -230,10 +343,116 @@ def _run(tmp_path, script, world, dropout=0.0):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def _start_jax(tmp_path, stderr):
+    """Starts the JAX process (`JAX`) in `tmp_path`."""
+    (tmp_path / "jax_script.py").write_text(JAX)
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        KERAS_DIST_CPU_DEVICES="4",
+        PYTHONPATH=str(ROOT),
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    return subprocess.Popen(
+        [sys.executable, "jax_script.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
+
+
+def _check_jax_checkpoints(tmp_path, logs):
+    """A JAX ModelParallel 2x2 checkpoint restored into the torch 1x2
+    layout (each rank holding only its shards) and into one device, and
+    the torch 1x2 checkpoint restored into JAX's 2x2 layout: exactly."""
+    jax_logs = json.loads((tmp_path / "jax.json").read_text())
+    # Saved and restored on JAX with the dense kernel (144, 16) split in two.
+    assert jax_logs == {"saved": [[144, 8]], "restored": [[144, 8]]}
+    saved = _load(tmp_path / "mp1x2_weights.npz")
+    restored = _load(tmp_path / "jax_restored.npz")
+    assert max_relative_difference(saved, restored) == 0.0
+
+    state = np.load(tmp_path / "jax_state.npz")
+    whole = np.load(tmp_path / "from_jax_whole.npz")
+    assert sorted(whole.files) == sorted(state.files)
+    for key in state.files:  # every variable, optimizer slot and metric
+        np.testing.assert_array_equal(
+            whole[key], state[key].astype(whole[key].dtype), err_msg=key
+        )
+    # The kernels, gamma and their momenta split over "model" on both.
+    split = {
+        "dense/kernel": ["None", "model"],
+        "dense_1/kernel": ["model", "None"],
+        "batch_normalization/gamma": ["model"],
+    }
+    split.update(
+        {f"sgd/{k.replace('/', '_')}_momentum": v for k, v in split.items()}
+    )
+    meta = json.loads(
+        (tmp_path / "jax_ckpt" / "ckpt-1" / "metadata.json").read_text()
+    )
+    saved_layouts = {e["key"]: e.get("layout") for e in meta["arrays"]}
+    rows = logs["from_jax"]
+    for key in state.files:
+        layout = split.get(key.partition("/")[2])
+        if layout is None:
+            assert "model" not in rows[key][1], key
+            continue
+        assert rows[key][1] == layout, key
+        assert [str(a) for a in saved_layouts[key]] == layout, key
+    for rank in (0, 1):
+        local = np.load(tmp_path / f"from_jax_local{rank}.npz")
+        assert sorted(local.files) == sorted(state.files)
+        held = 0
+        for key in state.files:
+            part = state[key].astype(local[key].dtype)
+            layout = rows[key][1]
+            if "model" in layout:  # this rank's half along that dimension
+                part = np.split(part, 2, axis=layout.index("model"))[rank]
+            np.testing.assert_array_equal(local[key], part, err_msg=key)
+            held += local[key].nbytes
+            assert local[key].nbytes == rows[key][0], key
+        assert held < sum(state[k].nbytes for k in state.files) * 0.6
+
+    # One step of fit after the restore, against one device restored from
+    # the same checkpoint.
+    keras.backend.clear_session()
+    model = build_model(seed=5)
+    compile_model(model)
+    keras_dist.checkpoint.restore(model, tmp_path / "jax_ckpt")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model.get_layer("dense").kernel),
+        state["model/dense/kernel"],
+    )
+    x, y, sw = make_data(N)
+    model.fit(
+        x[:16], y[:16], sample_weight=sw[:16], batch_size=16, epochs=1,
+        shuffle=False, verbose=0,
+    )  # fmt: skip
+    got = _load(tmp_path / "from_jax_step.npz")
+    difference = max_relative_difference(model.get_weights(), got)
+    assert difference <= 1e-5, difference
+    return difference
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_two_processes_layouts_match_one_device(tmp_path):
-    _run(tmp_path, TWO, 2)
+    with open(tmp_path / "jax.err", "w") as stderr:
+        jax_process = _start_jax(tmp_path, stderr)
+        try:
+            _run(tmp_path, TWO, 2)
+        finally:
+            (tmp_path / "torch.done").touch()  # the JAX process waits no more
+            try:
+                jax_process.wait(timeout=600)
+            finally:
+                if jax_process.poll() is None:
+                    jax_process.kill()
+                    jax_process.wait()
+    error = (tmp_path / "jax.err").read_text()
+    assert jax_process.returncode == 0, error[-4000:]
     for name in ("mp1x2", "mp2x1", "sdp"):
         _check_parity(tmp_path, name, 2)
     logs = json.loads((tmp_path / "logs0.json").read_text())
@@ -291,6 +510,8 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     compile_model(model)
     keras_dist.checkpoint.restore(model, tmp_path / "ckpt")
     assert max_relative_difference(saved, model.get_weights()) == 0.0
+
+    _check_jax_checkpoints(tmp_path, logs)
 
 
 @pytest.mark.multi_process

@@ -39,6 +39,19 @@ def scope_of(model):
     )
 
 
+def lay_out(model) -> None:
+    """Gives the variables created after `model` was attached (an
+    optimizer built for a restore) their layout now, where the strategy's
+    engine places variables itself (torch's DTensor variables): so that a
+    restore reads, and each process holds, only its own parts. Engines
+    whose variables take their layout when created (JAX, TensorFlow) have
+    nothing to do."""
+    engine = getattr(strategy_of(model), "extended", None)
+    place = getattr(engine, "lay_out", None)
+    if place is not None:
+        place(model)
+
+
 def describe(model, runtime) -> dict:
     """The strategy's shape: class, replicas, processes and devices."""
     strategy = strategy_of(model)

@@ -165,7 +165,9 @@ def check_built(model) -> None:
 
 
 def ensure_optimizer_built(model) -> None:
-    """Creates the optimizer's variables (inside the model's strategy)."""
+    """Creates the optimizer's variables (inside the model's strategy),
+    each with its layout before any value is read into it (so that a
+    sharded slot is never held whole)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or optimizer.built:
         return
@@ -173,6 +175,7 @@ def ensure_optimizer_built(model) -> None:
 
     with runtime_glue.scope_of(model):
         optimizer.build(model.trainable_variables)
+    runtime_glue.lay_out(model)
 
 
 def match(model, arrays: dict, groups=GROUPS) -> list[tuple]:
