@@ -5,8 +5,8 @@ side-by-side benchmark as Mirrored (`bench_fit.py`) and ModelParallel
 (`bench_model_parallel.py`). Two families, each on the backends where
 keras_dist offers it:
 
-``central_storage`` (in one process, same MLP, devices and global batch as
-``bench_fit.py``):
+``central_storage`` (in one process; ``bench_fit.py``'s MLP, data and
+global batch, on ``--devices`` simulated CPU devices, 2 by default):
 
 * TensorFlow: ``keras_dist.CentralStorageStrategy(devices=cpu:0..N-1)``
   against ``tf.distribute.experimental.CentralStorageStrategy`` with the
@@ -43,7 +43,10 @@ connects to a cluster once), so their variables live on the same ps tasks.
 An epoch is timed from its first scheduled step to its join and the read of
 its metrics, divided by its steps (the anchor computes Keras's stock
 metrics and counters, which lose updates under concurrent workers; see
-guides/parameter_server.md).
+guides/parameter_server.md). ``--diagnose`` adds two variants of the
+anchor, each with one thing keras_dist does differently: atomic
+``assign_add`` (exact counters) and its closure (a ``tf.range`` loop over
+a step count, for ``steps_per_execution``).
 
 Each configuration gets a warm-up epoch; then the configurations take
 turns for ``--repeats`` timed calls each (interleaved, so machine noise
@@ -53,7 +56,7 @@ of the per-repeat ratios.
 
 Example::
 
-    python benchmarks/bench_family.py --json /tmp/family.json   # ~3 min
+    python benchmarks/bench_family.py --json /tmp/family.json  # 6 min, loaded
     python benchmarks/bench_family.py --family parameter_server --quick
 """
 
@@ -207,17 +210,19 @@ def _interleave(configs, run_one, repeats, label):
             flush=True,
         )
     timed = {name: [] for name in configs}
+    calls = {name: [] for name in configs}  # seconds of each whole call
     for repeat in range(repeats):
-        started = time.perf_counter()
         for name, config in configs.items():
             gc.collect()  # not during the timed steps, if it can be helped
+            started = time.perf_counter()
             timed[name].append(run_one(config, warm=False))
-        line = "  ".join(f"{n}={v[-1]:.3f}" for n, v in timed.items())
-        print(
-            f"[{label}] repeat {repeat + 1}: {line} ms/step "
-            f"({time.perf_counter() - started:.1f}s)",
-            flush=True,
+            calls[name].append(time.perf_counter() - started)
+        line = "  ".join(
+            f"{n}={v[-1]:.3f} ms/step ({calls[n][-1]:.1f}s)"
+            for n, v in timed.items()
         )
+        print(f"[{label}] repeat {repeat + 1}: {line}", flush=True)
+    timed["call_s"] = {n: statistics.median(v) for n, v in calls.items()}
     return timed
 
 
@@ -266,6 +271,7 @@ def run_central_storage(args, keras, backend) -> dict:
         where["ours_after_fit"] = kernel.sharding.memory_kind
     return {
         **_summary(timed["ours"], timed["anchor"]),
+        "call_s": timed["call_s"],
         "state_lives": where,
         "devices": args.devices,
         "model": bench_fit._model_description(args),
@@ -443,6 +449,7 @@ def run_parameter_server(args, keras) -> dict:
         "steps_per_epoch": args.steps,
         "counters": counters,
         "stock_keras_fit": stock_fit,
+        "call_s": timed["call_s"],
         "diagnosis": {
             name: _stats(ms) for name, ms in timed.items() if "+" in name
         },
@@ -567,6 +574,9 @@ def main(argv=None) -> int:
                     f"diagnosis {name}: {figures['median']:.3f} ms/step "
                     f"({figures['q1']:.3f}..{figures['q3']:.3f})"
                 )
+        if "call_s" in r:
+            calls = ", ".join(f"{n} {v:.1f}" for n, v in r["call_s"].items())
+            print(f"{r['family']}/{r['backend']} s per timed call: {calls}")
         if r.get("state_lives"):
             print(f"{r['family']}/{r['backend']} state: {r['state_lives']}")
     print(f"Total: {time.perf_counter() - started:.0f}s")
