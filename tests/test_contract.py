@@ -74,17 +74,75 @@ def test_backend_module_functions(backend):
         assert f'"{name}"' in init, f"{backend}/__init__ does not export {name}"
 
 
+def _resolved_methods(classes, name):
+    """The methods of class `name` with everything it inherits from the
+    backend's own classes, in Python's method resolution order (C3), so
+    that a method defined on a base class counts for its subclasses."""
+    mro = _linearize(classes, name)
+    methods = {}
+    for cls in reversed(mro):
+        methods.update(_functions(classes[cls]))
+    return methods
+
+
+def _linearize(classes, name):
+    """C3 linearization of `name` over the backend's classes (a base named
+    as `module.Class` counts as `Class`; bases that are not the backend's,
+    such as `object`, add nothing)."""
+    bases = [
+        base.id if isinstance(base, ast.Name) else base.attr
+        for base in classes[name].bases
+        if isinstance(base, (ast.Name, ast.Attribute))
+    ]
+    bases = [base for base in bases if base in classes]
+    sequences = [_linearize(classes, base) for base in bases] + [bases]
+    order = [name]
+    while any(sequences):
+        sequences = [s for s in sequences if s]
+        for sequence in sequences:
+            head = sequence[0]
+            if not any(head in s[1:] for s in sequences):
+                break
+        else:
+            raise AssertionError(f"no consistent MRO for {name}")
+        order.append(head)
+        sequences = [s[1:] if s[0] == head else s for s in sequences]
+    return order
+
+
+def _engine_classes(classes):
+    """The backend's public engine classes (`...Engine`)."""
+    return sorted(
+        name
+        for name in classes
+        if name.endswith("Engine") and not name.startswith("_")
+    )
+
+
+def test_resolved_methods_follow_the_mro():
+    tree = ast.parse(
+        "class A:\n    def f(self): pass\n    def g(self): pass\n"
+        "class B(A):\n    def f(self, x): pass\n"
+        "class C(A):\n    def g(self, y): pass\n"
+        "class D(B, C):\n    pass\n"
+        "class E(mod.B):\n    pass\n"
+    )
+    classes = {n.name: n for n in tree.body}
+    assert _linearize(classes, "D") == ["D", "B", "C", "A"]
+    methods = _resolved_methods(classes, "D")
+    assert _params(methods["f"]) == ["self", "x"]  # B's, over A's
+    assert _params(methods["g"]) == ["self", "y"]  # C's, before A's
+    assert _linearize(classes, "E") == ["E", "B", "A"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_classes_implement_engine(backend):
     _, classes = _definitions(backend)
     expected = _protocol_methods("Engine")
-    for engine in ("OneDeviceEngine", "MirroredEngine"):
-        methods = {}
-        node = classes[engine]
-        for base in node.bases:  # one level of inheritance
-            if isinstance(base, ast.Name) and base.id in classes:
-                methods.update(_functions(classes[base.id]))
-        methods.update(_functions(node))
+    engines = _engine_classes(classes)
+    assert {"OneDeviceEngine", "MirroredEngine"} <= set(engines)
+    for engine in engines:
+        methods = _resolved_methods(classes, engine)
         for name in contract.ENGINE_METHODS + ("num_replicas_in_sync",):
             assert name in methods, f"{backend}.{engine} lacks {name}"
             assert _params(methods[name]) == _params(expected[name]), (

@@ -2,10 +2,11 @@
 strategy that runs one replica per device (Mirrored, MultiWorkerMirrored,
 CentralStorage).
 
-`ReplicaEngine` holds the glue every such strategy needs: `run`,
-`reduce`, `gather` and distributed datasets on its `tf.distribute`
-strategy, the check that the model's variables were created in the scope,
-and the step functions it installs on the model: Keras's TF trainer's
+`ReplicaEngine` extends the glue every TF engine shares
+(`strategy_engine.StrategyEngine`: `run`, `reduce`, `gather` on its
+`tf.distribute` strategy) with distributed datasets split exactly, the
+check that each of the model's variables was created in the scope, and
+the step functions it installs on the model: Keras's TF trainer's
 `make_train_function`/`make_test_function` replaced by keras_dist's exact
 per-replica step (`replica_step`: global loss denominators, masked means,
 own losses, one device's Dropout, the optimizer on global gradients),
@@ -38,12 +39,14 @@ from keras_dist._src.backends.tensorflow.replica_step import (
     global_dropout,
     override_step,
 )
+from keras_dist._src.backends.tensorflow.strategy_engine import (
+    StrategyEngine,
+)
 from keras_dist._src.errors import VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
-from keras_dist._src.values import PerReplica, ReduceOp
 
 
-class ReplicaEngine:
+class ReplicaEngine(StrategyEngine):
     """keras_dist's exact step on the tf.distribute strategy `tf_strategy`.
 
     Args:
@@ -52,41 +55,12 @@ class ReplicaEngine:
         tf_strategy: the `tf.distribute.Strategy` the replicas run on.
     """
 
-    devices: tuple
-
-    def __init__(self, devices, tf_strategy):
-        self.devices = tuple(devices)
-        self.tf_strategy = tf_strategy
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Replicas over all workers."""
-        return self.tf_strategy.num_replicas_in_sync
-
-    def scope(self):
-        """The strategy's scope: variables created in it are distributed."""
-        return self.tf_strategy.scope()
-
-    def call_scope(self):
-        """The scope fit/evaluate/predict run in."""
-        return self.tf_strategy.scope()
-
-    def prepare_call(self, name, method, args, kwargs):
-        """The arguments of `name` (fit, evaluate, ...) unchanged."""
-        return args, kwargs
-
     def prepare_layer(self, layer) -> None:
         """A policy's hook: configures one layer of an attached model."""
 
     def attach(self, model) -> None:
         """Checks that `model` was built in the scope; installs the steps."""
-        strategy = glue.tf_distribute_strategy(model)
-        if strategy is not self.tf_strategy:
-            raise VariablesOutsideScopeError(
-                f"Model {model.name!r} was created outside strategy.scope(), "
-                "so its variables are not mirrored. Create the model (not "
-                "only compile it) inside `with strategy.scope():`."
-            )
+        self.check_model_strategy(model)
         # Saving builds reference objects with variables: made distributed
         # here, they would need a collective that a chief-only save (a
         # callback's) makes alone.
@@ -107,43 +81,11 @@ class ReplicaEngine:
                 model.__dict__["_keras_dist_dropout"] = True
         self._install_steps(model)
 
-    def run(self, fn, args, kwargs):
-        """`fn` once per replica (`tf.distribute.Strategy.run`)."""
-        return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
-
-    def reduce(self, op, value, axis):
-        """`value`'s replicas reduced with `op` (and over `axis`)."""
-        if isinstance(value, PerReplica):
-            value = self._to_distributed(value)
-        tf_op = tf.distribute.ReduceOp[ReduceOp.from_any(op).value]
-        return self.tf_strategy.reduce(tf_op, value, axis=axis)
-
-    def gather(self, value, axis):
-        """`value`'s replicas concatenated along `axis`."""
-        if isinstance(value, PerReplica):
-            value = self._to_distributed(value)
-        return self.tf_strategy.gather(value, axis=axis)
-
-    def local_results(self, value):
-        """The values of `value` on this process's replicas."""
-        return tuple(self.tf_strategy.experimental_local_results(value))
-
-    def placement(self, variable):
-        """Replicated: every device holds the whole variable."""
-        shape = tuple(variable.shape)
-        return (None,) * len(shape), shape
-
     def distribute_dataset(self, dataset):
         """`dataset` split across the replicas, each global batch exactly."""
         if isinstance(dataset, tf.data.Dataset):
             return self.tf_strategy.experimental_distribute_dataset(dataset)
         return distribute_iterable(self, dataset)
-
-    def _to_distributed(self, per_replica):
-        values = per_replica.values
-        return self.tf_strategy.experimental_distribute_values_from_function(
-            lambda ctx: values[ctx.replica_id_in_sync_group]
-        )
 
     def _install_steps(self, model) -> None:
         cls = type(model)

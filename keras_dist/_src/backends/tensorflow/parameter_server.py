@@ -23,16 +23,19 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._src.backends.tensorflow.ps_loop import check_not_sharded
+from keras_dist._src.backends.tensorflow.strategy_engine import (
+    StrategyEngine,
+)
 from keras_dist._src.cluster.parameter_server import wait_until_listening
-from keras_dist._src.errors import VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
 
 
-class ParameterServerEngine:
+class ParameterServerEngine(StrategyEngine):
     """Variables on ps tasks; steps scheduled on worker tasks."""
 
+    outside_scope_effect = "its variables are not on the ps tasks"
+
     def __init__(self, plan, runtime, input_options):
-        self.devices = tuple(plan.devices)
         self.plan = plan
         self.runtime = runtime
         self.input_options = input_options
@@ -45,33 +48,19 @@ class ParameterServerEngine:
             task_id=0,
             rpc_layer="grpc",
         )
-        self.tf_strategy = tf.distribute.ParameterServerStrategy(
-            resolver, variable_partitioner=plan.variable_partitioner
+        super().__init__(
+            plan.devices,
+            tf.distribute.ParameterServerStrategy(
+                resolver, variable_partitioner=plan.variable_partitioner
+            ),
         )
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             self.tf_strategy
         )
 
-    @property
-    def num_replicas_in_sync(self) -> int:
-        return self.tf_strategy.num_replicas_in_sync
-
-    def scope(self):
-        return self.tf_strategy.scope()
-
-    def call_scope(self):
-        return self.tf_strategy.scope()
-
-    def prepare_call(self, name, method, args, kwargs):
-        return args, kwargs
-
     def attach(self, model) -> None:
-        if glue.tf_distribute_strategy(model) is not self.tf_strategy:
-            raise VariablesOutsideScopeError(
-                f"Model {model.name!r} was created outside strategy.scope(), "
-                "so its variables are not on the ps tasks. Create the model "
-                "(not only compile it) inside `with strategy.scope():`."
-            )
+        """Checks that `model` was built in the scope and is not sharded."""
+        self.check_model_strategy(model)
         check_not_sharded(model)
 
     def model_methods(self, model) -> dict:
@@ -95,6 +84,7 @@ class ParameterServerEngine:
         )
 
     def reduce(self, op, value, axis):
+        """`value` fetched to the chief; summed or averaged over `axis`."""
         value = _fetch(value)
         if axis is None:
             return value
@@ -102,6 +92,7 @@ class ParameterServerEngine:
         return reduce(np.asarray(value), axis=axis)
 
     def gather(self, value, axis):
+        """`value` fetched to the chief (one value: nothing to join)."""
         return _fetch(value)
 
     def distribute_dataset(self, dataset):
@@ -109,6 +100,7 @@ class ParameterServerEngine:
         return self.coordinator.create_per_worker_dataset(dataset)
 
     def local_results(self, value):
+        """`value` fetched to the chief, as the one local result."""
         return (_fetch(value),)
 
     def placement(self, variable):

@@ -19,8 +19,10 @@ import threading
 
 import tensorflow as tf
 
-from keras_dist._src.errors import TPUNotFoundError, VariablesOutsideScopeError
-from keras_dist._src.keras_glue import internals as glue
+from keras_dist._src.backends.tensorflow.strategy_engine import (
+    StrategyEngine,
+)
+from keras_dist._src.errors import TPUNotFoundError
 
 _RESOLVED = {}
 
@@ -97,63 +99,12 @@ def _timeout() -> float:
         ) from None
 
 
-class TPUEngine:
-    """Keras's own TF steps under tf.distribute's `TPUStrategy`."""
+class TPUEngine(StrategyEngine):
+    """Keras's own TF steps under tf.distribute's `TPUStrategy` (the
+    engine contract is `StrategyEngine`'s, on TPU-mirrored variables)."""
 
     def __init__(self, resolver, devices):
-        self.devices = tuple(devices)
-        self.tf_strategy = tf.distribute.TPUStrategy(resolver)
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """TPU cores taking part in each step."""
-        return self.tf_strategy.num_replicas_in_sync
-
-    def scope(self):
-        """Variables created here are TPU-mirrored."""
-        return self.tf_strategy.scope()
-
-    def call_scope(self):
-        """fit/evaluate/predict run in the strategy's scope."""
-        return self.tf_strategy.scope()
-
-    def prepare_call(self, name, method, args, kwargs):
-        """Arguments pass as they are."""
-        return args, kwargs
-
-    def attach(self, model) -> None:
-        """Checks that `model` was built in this strategy's scope."""
-        if glue.tf_distribute_strategy(model) is not self.tf_strategy:
-            raise VariablesOutsideScopeError(
-                f"Model {model.name!r} was created outside strategy.scope(). "
-                "Create the model inside `with strategy.scope():`."
-            )
-
-    def run(self, fn, args, kwargs):
-        """`TPUStrategy.run`."""
-        return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
-
-    def reduce(self, op, value, axis):
-        """`TPUStrategy.reduce`."""
-        tf_op = tf.distribute.ReduceOp[op.value]
-        return self.tf_strategy.reduce(tf_op, value, axis=axis)
-
-    def gather(self, value, axis):
-        """`TPUStrategy.gather`."""
-        return self.tf_strategy.gather(value, axis=axis)
-
-    def distribute_dataset(self, dataset):
-        """`TPUStrategy.experimental_distribute_dataset`."""
-        return self.tf_strategy.experimental_distribute_dataset(dataset)
-
-    def local_results(self, value):
-        """The per-replica parts of `value`."""
-        return tuple(self.tf_strategy.experimental_local_results(value))
-
-    def placement(self, variable):
-        """Replicated on every core."""
-        shape = tuple(variable.shape)
-        return (None,) * len(shape), shape
+        super().__init__(devices, tf.distribute.TPUStrategy(resolver))
 
 
 def create_engine(plan, runtime, input_options):
