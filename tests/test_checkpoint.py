@@ -666,7 +666,7 @@ def test_sharded_checkpoint_commits_and_reads_any_region(tmp_path):
         ("shards-00000.npz", [0, 0]),
         ("shards-00001.npz", [2, 0]),
     ]
-    arrays = fmt.open_sharded(path, metadata)
+    arrays = fmt.open_arrays(path, metadata)
     saved = arrays["model/w"]
     assert saved.shape == (4, 6) and saved.dtype == np.float32
     # Any region, across the two files: another layout's part.

@@ -554,7 +554,7 @@ def _is_ours(name: str) -> bool:
     return (
         name == OWNER_FILE
         or fmt.step_of(name) is not None
-        or bool(fmt._TEMP.match(name))
+        or bool(fmt.TEMP_NAME.match(name))
         or bool(_OWNER_TEMP.match(name))
     )
 
@@ -620,11 +620,11 @@ def _write_owner(directory: str) -> None:
     final = os.path.join(directory, OWNER_FILE)
     temp = os.path.join(directory, f".{OWNER_FILE}.tmp-{secrets.token_hex(4)}")
     try:
-        fmt._write_bytes(temp, json.dumps(record).encode())
+        fmt.write_bytes(temp, json.dumps(record).encode())
         os.replace(temp, final)
     finally:
         _remove_file(temp)
-    fmt._fsync_dir(directory)
+    fmt.fsync_dir(directory)
 
 
 def _remove_file(path: str) -> None:

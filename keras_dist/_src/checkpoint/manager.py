@@ -295,7 +295,7 @@ def _open(path, metadata, verify=True):
     if metadata["format_version"] == fmt.SHARDED_VERSION:
         if verify:
             fmt.verify(path)
-        return fmt.open_sharded(path, metadata)
+        return fmt.open_arrays(path, metadata)
     return fmt.load_arrays(path, metadata, verify=verify)
 
 

@@ -22,7 +22,8 @@ checks that the pieces cover every array exactly once, writes the metadata
 and the COMMIT marker and renames the directory to ``ckpt-S`` (as
 `format.write` does): complete or invisible. Restore reads, on each
 process, only the regions its own variables hold (`import_state`),
-whatever layout, strategy, process count or backend wrote them.
+whatever layout, strategy, process count or backend wrote them
+(`keras_dist._src.checkpoint.reading`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 import numpy as np
 
 from keras_dist._src.checkpoint import format as fmt
+from keras_dist._src.checkpoint import reading
 
 
 def shard_file(rank: int) -> str:
@@ -97,7 +99,7 @@ def write_own(temp: str, rank: int, entries: list) -> dict:
         for start, array in entry["pieces"]:
             arrays[f"{entry['key']}@{len(arrays)}"] = array
             owners.append((entry["key"], tuple(int(a) for a in start)))
-    index, stored = fmt._encode(arrays)
+    index, stored = fmt.encode(arrays)
     pieces = {}
     for (key, start), item in zip(owners, index):
         pieces.setdefault(key, []).append(
@@ -110,7 +112,7 @@ def write_own(temp: str, rank: int, entries: list) -> dict:
             }
         )
     with open(os.path.join(temp, shard_file(rank)), "wb") as f:
-        writer = fmt._HashingWriter(f)
+        writer = fmt.HashingWriter(f)
         np.savez(writer, **stored)
         f.flush()
         os.fsync(f.fileno())
@@ -143,7 +145,7 @@ def write_failure(temp: str, rank: int, message: str) -> None:
 
 def _publish_small(temp: str, name: str, data: bytes) -> None:
     part = os.path.join(temp, name + ".part")
-    fmt._write_bytes(part, data)
+    fmt.write_bytes(part, data)
     os.replace(part, os.path.join(temp, name))
 
 
@@ -182,7 +184,7 @@ def commit(
             files={r["file"]: r["digest"] for r in records},
         )
         meta_bytes = json.dumps(metadata, indent=1, sort_keys=True).encode()
-        fmt._write_bytes(os.path.join(temp, fmt.METADATA_FILE), meta_bytes)
+        fmt.write_bytes(os.path.join(temp, fmt.METADATA_FILE), meta_bytes)
         fmt.finish(
             temp, final, root, token, step, meta_bytes, fmt.SHARDED_VERSION
         )
@@ -270,7 +272,7 @@ def _merge(records: list) -> list:
         if (
             covered != math.prod(entry["shape"])
             or entry["dtype"] is None
-            or not fmt.pieces_disjoint(entry["pieces"])
+            or not reading.pieces_disjoint(entry["pieces"])
         ):
             raise fmt.CheckpointError(
                 f"The processes' pieces of {key!r} hold {covered} of its "

@@ -291,7 +291,7 @@ def assign(pairs) -> None:
     """Assigns each array to its variable (in the variable's dtype).
 
     Through the backend's `import_state`: each process reads only the
-    regions of a saved array (a `format.SavedArray` of a sharded
+    regions of a saved array (a `reading.SavedArray` of a sharded
     checkpoint, or a NumPy array) its own part of the variable needs.
     """
     from keras_dist._src import backends
