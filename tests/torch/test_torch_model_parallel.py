@@ -10,11 +10,12 @@ shards) under MirroredStrategy, a LayoutMap key that matches nothing, and
 a checkpoint written under ModelParallel 1x2 and restored into the 2x1
 layout. Beside it, one JAX process writes a ModelParallel 2x2 checkpoint
 (4 simulated devices) that the torch job restores into its 1x2 layout (each
-rank reading only its shards, then one step of `fit`), and restores the
-torch job's 1x2 checkpoint into its 2x2 layout. A second run trains on 4
-processes with a 2x2 mesh, with Dropout(0.3). The reference is plain Keras
-on one device in the test process, from the same initial weights; the
-checkpoints are also restored there.
+rank reading only its shards, then one step of `fit`) and into
+MirroredStrategy, and restores the torch job's 1x2 checkpoint into its 2x2
+layout. A second run trains on 4 processes with a 2x2 mesh, with
+Dropout(0.3). The reference is plain Keras on one device in the test
+process, from the same initial weights; the checkpoints are also restored
+there.
 """
 
 from __future__ import annotations
@@ -104,6 +105,18 @@ def train(name, strategy):
 FROM_JAX = """
 
 
+def keyed_variables(model):
+    return {
+        group + "/" + v.path: v
+        for group, variables in (
+            ("model", model.variables),
+            ("optimizer", model.optimizer.variables),
+            ("metrics", model.metrics_variables),
+        )
+        for v in variables
+    }
+
+
 def restore_from_jax():
     # The JAX ModelParallel 2x2 checkpoint written beside this job: each
     # rank's shards, the whole values, and one step of fit after it.
@@ -117,21 +130,15 @@ def restore_from_jax():
     strategy = keras_dist.ModelParallel(layout_map((1, 2)), "batch")
     model = build(strategy)
     keras_dist.checkpoint.restore(model, "jax_ckpt")
-    local, whole = dict(), dict()
-    for group, variables in (
-        ("model", model.variables),
-        ("optimizer", model.optimizer.variables),
-        ("metrics", model.metrics_variables),
-    ):
-        for v in variables:
-            key = group + "/" + v.path
-            value = internals.variable_value(v)
-            if hasattr(value, "to_local"):  # this rank's part only
-                value = value.to_local()
-            local[key] = value.detach().cpu().numpy()
-            whole[key] = np.asarray(v)  # every rank: a gather
+    local = dict()
+    for key, v in keyed_variables(model).items():
+        value = internals.variable_value(v)
+        if hasattr(value, "to_local"):  # this rank's part only
+            value = value.to_local()
+        local[key] = value.detach().cpu().numpy()
+    whole = {k: np.asarray(v) for k, v in keyed_variables(model).items()}
     np.savez("from_jax_local%d.npz" % rank, **local)
-    if rank == 0:
+    if rank == 0:  # (every rank gathered)
         np.savez("from_jax_whole.npz", **whole)
     rows = describe(strategy, model)
     model.fit(x[:16], y[:16], sample_weight=sw[:16], batch_size=16,
@@ -223,6 +230,9 @@ model = build(mirrored)
 with mirrored.scope():
     model.optimizer.build(model.trainable_variables)
 out["mirrored"] = describe(mirrored, model)
+keras_dist.checkpoint.restore(model, "jax_ckpt")  # JAX 2x2 into Mirrored
+np.savez("mirrored_from_jax%d.npz" % rank,
+         **{k: np.asarray(v) for k, v in keyed_variables(model).items()})
 try:
     layouts = layout_map((1, 2))
     layouts["dense_9/kernel"] = (None, "model")
@@ -364,8 +374,9 @@ def _start_jax(tmp_path, stderr):
 
 def _check_jax_checkpoints(tmp_path, logs):
     """A JAX ModelParallel 2x2 checkpoint restored into the torch 1x2
-    layout (each rank holding only its shards) and into one device, and
-    the torch 1x2 checkpoint restored into JAX's 2x2 layout: exactly."""
+    layout (each rank holding only its shards), into MirroredStrategy and
+    into one device, and the torch 1x2 checkpoint restored into JAX's 2x2
+    layout: exactly."""
     jax_logs = json.loads((tmp_path / "jax.json").read_text())
     # Saved and restored on JAX with the dense kernel (144, 16) split in two.
     assert jax_logs == {"saved": [[144, 8]], "restored": [[144, 8]]}
@@ -380,6 +391,13 @@ def _check_jax_checkpoints(tmp_path, logs):
         np.testing.assert_array_equal(
             whole[key], state[key].astype(whole[key].dtype), err_msg=key
         )
+    for rank in (0, 1):  # into MirroredStrategy: whole on every rank
+        mirrored = np.load(tmp_path / f"mirrored_from_jax{rank}.npz")
+        assert sorted(mirrored.files) == sorted(state.files)
+        for key in state.files:
+            np.testing.assert_array_equal(
+                mirrored[key], state[key].astype(mirrored[key].dtype), key
+            )
     # The kernels, gamma and their momenta split over "model" on both.
     split = {
         "dense/kernel": ["None", "model"],
