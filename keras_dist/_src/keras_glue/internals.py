@@ -258,6 +258,14 @@ def set_variable_value(variable, value) -> None:
     variable._value = value
 
 
+def set_variable_shape(variable, shape) -> tuple:
+    """Sets Keras's private `Variable._shape` (what `variable.shape` and
+    `assign`'s check read); returns the previous shape."""
+    previous = variable._shape
+    variable._shape = tuple(shape)
+    return previous
+
+
 #: Private `BaseOptimizer` methods (`keras.src.optimizers.base_optimizer`)
 #: whose backend-neutral versions update variables without collectives.
 _LOCAL_OPTIMIZER_METHODS = (

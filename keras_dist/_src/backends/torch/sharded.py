@@ -47,7 +47,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist._src import plan as plan_lib
-from keras_dist._src.backends.torch import layouts
+from keras_dist._src.backends.torch import layouts, shard_update
 from keras_dist._src.backends.torch.engine import (
     OneDeviceEngine,
     TorchEngine,
@@ -268,6 +268,7 @@ class _StepFunctions(ModelSteps):
     def train_step(self, data):
         """Keras's `train_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
+        shard_update.install(self.model.optimizer)
         with implicit_replication():
             return layouts.to_plain(self.model.train_step(batch))
 
