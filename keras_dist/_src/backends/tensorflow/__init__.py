@@ -4,8 +4,11 @@ Same inner files as every backend: `devices`, `runtime`, `data_parallel`,
 `inputs`, `batch_norm`, `sharded`; this module re-exports the contract's
 functions and holds `ENGINES`, the registry of plan type -> engine.
 
-`engine.ReplicaEngine` is the glue of every tf.distribute strategy with a
-replica per device (the exact per-replica step: `replica_step`,
+`strategy_engine.StrategyEngine` is the engine contract's glue shared by
+every engine over one tf.distribute strategy (`tpu.TPUEngine` and
+`parameter_server.ParameterServerEngine` subclass it directly);
+`engine.ReplicaEngine` extends it for every strategy with a replica per
+device (the exact per-replica step: `replica_step`,
 `replica_losses`, `gradients`, `step_context`); the policies subclass it:
 `mirrored`, `multi_worker`, `central_storage` (`one_device` keeps Keras's
 own step). `data_parallel.create_engine` picks the policy of a
