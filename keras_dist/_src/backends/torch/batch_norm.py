@@ -120,13 +120,13 @@ def sync_moments(group, slot, layer, original):
 
     The formula is `core.batch_norm.gathered_moments` (each rank's two-pass
     moments, combined exactly after one all-gather; one all-reduce in the
-    backward pass), over the process group `group` (the engine's auxiliary
-    one). It applies while `slot` (a `step_context.StepSlot`) holds the
-    step's context, i.e. in a training forward pass; a rank that runs a
-    stand-in sample for an empty shard (``context.phantom``) counts for
-    nothing. Masked calls and steps outside training keep Keras's own.
+    backward pass; this rank's moments by `_LocalMoments`, a stand-in's
+    through autograd), over the process group `group` (the engine's
+    auxiliary one). It applies while `slot` (a `step_context.StepSlot`)
+    holds the step's context, i.e. in a training forward pass; a rank that
+    runs a stand-in sample for an empty shard (``context.phantom``) counts
+    for nothing. Masked calls and steps outside training keep Keras's own.
     """
-
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(value):
