@@ -393,12 +393,20 @@ class _Loop:
         self._atomic()
 
     def _schedule_fn(self):
+        """``(one step, several steps)``: the closures `fit` schedules."""
         if self._train_step is None:
             model = self.model
             strategy = self.engine.tf_strategy
 
             @tf.function
-            def train_step(iterator, steps):
+            def train_step(iterator):
+                # One step of Keras's own train_step: no loop in the
+                # graph (a `tf.range` loop of one step cost 31 % more
+                # per step on the workers, benchmarks/bench_family.py).
+                strategy.run(model.train_step, args=(next(iterator),))
+
+            @tf.function
+            def train_steps(iterator, steps):
                 # `steps` of Keras's own train_step in one closure (the
                 # model's `steps_per_execution`; the last closure of an
                 # epoch may run fewer).
@@ -406,7 +414,7 @@ class _Loop:
                     data = next(iterator)
                     strategy.run(model.train_step, args=(data,))
 
-            self._train_step = train_step
+            self._train_step = (train_step, train_steps)
         return self._train_step
 
     def _logs(self):
@@ -454,7 +462,7 @@ class _Loop:
         coordinator = self.engine.coordinator
         per_worker = coordinator.create_per_worker_dataset(source.source)
         iterator = iter(per_worker)
-        step_fn = self._schedule_fn()
+        one_step, several_steps = self._schedule_fn()
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
                 callbacks,
@@ -477,9 +485,13 @@ class _Loop:
             per_closure = max(1, int(model.steps_per_execution or 1))
             for first in range(0, source.steps, per_closure):
                 steps = min(per_closure, source.steps - first)
-                coordinator.schedule(
-                    step_fn, args=(iterator, tf.constant(steps, "int32"))
-                )
+                if steps == 1:
+                    coordinator.schedule(one_step, args=(iterator,))
+                else:
+                    coordinator.schedule(
+                        several_steps,
+                        args=(iterator, tf.constant(steps, "int32")),
+                    )
             _join(coordinator)
             logs = self._logs()
             callbacks.on_train_batch_end(source.steps - 1, logs)
