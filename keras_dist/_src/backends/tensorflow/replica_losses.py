@@ -21,22 +21,36 @@ MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _MISSING = object()
 
 
-def slice_keeping_masks(structure, rows):
-    """The first `rows` rows of each tensor, with its Keras mask (from
+def first_rows(structure, rows, keep_masks=False):
+    """The first `rows` rows of each tensor of `structure` (None stays
+    None); with `keep_masks`, each tensor's Keras mask (from
     `Embedding(mask_zero=True)`, `Masking`, `compute_mask`) sliced alike:
     a slice is a new tensor, which Keras's losses and metrics would see
-    unmasked."""
+    unmasked.
+
+    The slice's end is built once for the whole structure (``t[:rows]``
+    builds it per tensor): fewer ops in every step, the same values."""
+    end = tf.reshape(tf.cast(rows, "int32"), [1])
 
     def cut(t):
         if t is None:
             return None
-        mask = glue.keras_mask(t)
-        part = t[:rows]
+        if not isinstance(t, tf.Tensor):  # ragged, sparse: their own slice
+            part = t[:rows]
+        else:
+            part = tf.strided_slice(t, [0], end)
+        mask = glue.keras_mask(t) if keep_masks else None
         if mask is not None:
-            glue.set_keras_mask(part, mask[:rows])
+            glue.set_keras_mask(part, tf.strided_slice(mask, [0], end))
         return part
 
     return tree.map_structure(cut, structure)
+
+
+def slice_keeping_masks(structure, rows):
+    """The first `rows` rows of each tensor, Keras masks sliced alike
+    (`first_rows`)."""
+    return first_rows(structure, rows, keep_masks=True)
 
 
 class MaskedMeans:

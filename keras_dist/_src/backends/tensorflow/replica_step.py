@@ -42,6 +42,7 @@ from keras_dist._src.backends.tensorflow.replica_losses import (
     NoReplicaLossScaling,
     OwnLosses,
     check_mean_reductions,
+    first_rows,
     slice_keeping_masks,
 )
 from keras_dist._src.keras_glue import internals as glue
@@ -189,14 +190,10 @@ def _loss_step(model, tape, training, data, step):
     local_count, global_count = step.local_count, step.global_count
     x, y, sample_weight, y_pred = data
     rows = tf.maximum(local_count, 1)
-
-    def real(t):
-        return None if t is None else t[:rows]
-
     if glue.uses_keras_compute_loss(model):
         check_mean_reductions(model)
     with tape:  # the slicing too: the loss's gradient flows through it
-        x, y, sample_weight = tree.map_structure(real, (x, y, sample_weight))
+        x, y, sample_weight = first_rows((x, y, sample_weight), rows)
         y_pred = slice_keeping_masks(y_pred, rows)
         weight = tf.math.divide_no_nan(
             tf.cast(local_count, "float32"), global_count
@@ -229,10 +226,7 @@ def _loss_step(model, tape, training, data, step):
                 "The model does not have any trainable weights.", stacklevel=2
             )
     # Metrics see the real samples only (unweighted metrics ignore weights).
-    x, y, sample_weight = tree.map_structure(
-        lambda t: None if t is None else t[:local_count],
-        (x, y, sample_weight),
-    )
+    x, y, sample_weight = first_rows((x, y, sample_weight), local_count)
     y_pred = slice_keeping_masks(y_pred, local_count)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
