@@ -1,5 +1,6 @@
 """Feature-parity matrix: each Keras feature trains under `MirroredStrategy`
-with 2 and 3 replicas exactly like plain Keras on one device.
+with 2 and 3 replicas exactly like plain Keras on one device, and on JAX and
+torch also under `ShardedDataParallel` and `ModelParallel` (`LAYOUTS`).
 
 Every row is a function of a `Context` (no strategy: plain Keras; else the
 strategy's scope) that builds a tiny model from a fixed seed, trains it and
