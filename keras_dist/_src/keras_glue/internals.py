@@ -258,6 +258,15 @@ def set_variable_value(variable, value) -> None:
     variable._value = value
 
 
+def keras_torch_optimizer_name(optimizer) -> str | None:
+    """The class name of one of Keras's own torch optimizers (its module
+    ``keras.src.backend.torch.optimizers``; not a subclass), else None."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("keras.src.backend.torch.optimizers."):
+        return cls.__name__
+    return None
+
+
 def set_variable_shape(variable, shape) -> tuple:
     """Sets Keras's private `Variable._shape` (what `variable.shape` and
     `assign`'s check read); returns the previous shape."""

@@ -41,17 +41,14 @@ ELEMENTWISE = frozenset(
         "Lion",
     }
 )
-_MODULE = "keras.src.backend.torch.optimizers."
 
 
 def updates_on_shards(optimizer) -> bool:
     """Whether `optimizer`'s update may run on each rank's shards: one of
     Keras's own elementwise torch optimizers (not a subclass), with no
     norm clipping (a norm spans every shard)."""
-    cls = type(optimizer)
     return (
-        cls.__name__ in ELEMENTWISE
-        and cls.__module__.startswith(_MODULE)
+        glue.keras_torch_optimizer_name(optimizer) in ELEMENTWISE
         and getattr(optimizer, "clipnorm", None) is None
         and getattr(optimizer, "global_clipnorm", None) is None
     )
