@@ -92,7 +92,7 @@ def _like(grad, variable):
 
 def _swap_in_locals(variables) -> list:
     """Sets each DTensor variable's value to its local tensor; returns
-    ``[(variable, dtensor, local)]`` to put back."""
+    ``[(variable, dtensor, local, shape)]`` to put back."""
     swapped = []
     seen = set()
     for variable in variables:
