@@ -1038,11 +1038,6 @@ LAYOUT_LIMITS = {
         "torch 2.13's DTensor has no sharding rule for aten.scatter_reduce "
         "(a confusion-matrix metric on DTensor predictions)",
     ),
-    ("lstm_gru_embedding", "torch", "mp"): (
-        "Sharding propagation failed for aten.view",
-        "torch 2.13's DTensor cannot view a strided-sharded tensor (an LSTM "
-        "over an Embedding whose table is split by columns)",
-    ),
     ("masking_timestep_losses", "torch", "mp"): (
         "The shape of the mask",
         "torch 2.13's DTensor row-sharded embedding (MaskPartial) applies "

@@ -180,7 +180,14 @@ class DTensorEngine(TorchEngine):
             if not isinstance(x, torch.Tensor):
                 x = torch.as_tensor(np.asarray(x))
             x = x.to(self.device)
-            if x.ndim and x.shape[0] % self.batch_parts == 0:
+            # A batch axis of one device splits nothing: replicated, so
+            # that DTensor does not turn each gradient into a `Partial`
+            # sum over that one device (a collective per gradient).
+            if (
+                self.batch_parts > 1
+                and x.ndim
+                and (x.shape[0] % self.batch_parts == 0)
+            ):
                 size = x.shape[0] // self.batch_parts
                 start = self.batch_index * size
                 local = x[start : start + size].contiguous()
