@@ -1022,22 +1022,19 @@ def torch_results(tmp_path_factory):
 #: (row, backend, layout) -> (an error message that layout's run may
 #: raise, why). The Mirrored runs of these rows must still pass; a layout
 #: run that passes is fine too.
+_SCATTER_REDUCE = (
+    "scatter_reduce",
+    "torch 2.13's DTensor has no sharding rule for aten.scatter_reduce "
+    "(a confusion-matrix metric on DTensor predictions)",
+)
 LAYOUT_LIMITS = {
-    ("stateful_metrics", "torch", "zero3"): (
-        "scatter_reduce",
-        "torch 2.13's DTensor has no sharding rule for aten.scatter_reduce "
-        "(a confusion-matrix metric on a batch-sharded DTensor)",
-    ),
+    ("stateful_metrics", "torch", "zero3"): _SCATTER_REDUCE,
     ("masking_timestep_losses", "torch", "zero3"): (
         "unbind along the sharded dimension",
         "a masked GRU unbinds its batch-sharded state (DTensor refuses the "
         "unbind without a redistribution)",
     ),
-    ("stateful_metrics", "torch", "mp"): (
-        "scatter_reduce",
-        "torch 2.13's DTensor has no sharding rule for aten.scatter_reduce "
-        "(a confusion-matrix metric on DTensor predictions)",
-    ),
+    ("stateful_metrics", "torch", "mp"): _SCATTER_REDUCE,
     ("masking_timestep_losses", "torch", "mp"): (
         "The shape of the mask",
         "torch 2.13's DTensor row-sharded embedding (MaskPartial) applies "
