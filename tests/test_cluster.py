@@ -394,3 +394,23 @@ def test_listen_socket_on_a_foreign_address_says_what_to_do():
         sock.close()
     with pytest.raises(KerasDistError, match="KERAS_DIST_BIND_ALL=1"):
         binding.listen_socket("192.0.2.250", 0)  # TEST-NET: not ours
+
+
+def test_cpu_binding_shares_and_bad_settings(monkeypatch):
+    from keras_dist._src.cluster import launcher
+
+    share = launcher.core_share
+    assert [share({0, 1}, r, 2) for r in (0, 1)] == [[0], [1]]
+    assert share(range(8), 3, 4) == [6, 7] and share({3, 5, 9}, 1, 2) == [5]
+    assert share({0}, 0, 2) == []  # fewer cores than ranks: no share
+    monkeypatch.setenv("KERAS_DIST_CPU_BINDING", "numa")
+    with pytest.raises(ValueError, match="auto, exclusive, none"):
+        launcher.cpu_binding()
+    monkeypatch.setenv("KERAS_DIST_CPU_BINDING", "none")
+    before = os.sched_getaffinity(0)
+    assert launcher.bind_to_cores(0, 2) is None
+    assert os.sched_getaffinity(0) == before
+    monkeypatch.setenv("KERAS_DIST_CPU_BINDING", "exclusive")
+    with pytest.raises(ValueError, match="a core per rank"):
+        launcher.bind_to_cores(0, len(before) + 1)
+    assert os.sched_getaffinity(0) == before

@@ -11,7 +11,7 @@ and test_torch_inputs.py, marked slow.
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 
 import numpy as np
 import pytest
@@ -21,6 +21,7 @@ if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
 from tests.utils import (  # noqa: E402
+    ROOT,
     build_model,
     compile_model,
     make_data,
@@ -28,7 +29,6 @@ from tests.utils import (  # noqa: E402
     run_torch_script,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 N, BATCH, EPOCHS = 83, 16, 4
 
 SCRIPT = f"""
@@ -51,7 +51,8 @@ evaluation = model.evaluate(x, y, sample_weight=sw, batch_size=7,
                             verbose=0, return_dict=True)
 np.savez(f"weights{{rank}}.npz", *model.get_weights())
 with open(f"logs{{rank}}.json", "w") as f:
-    json.dump({{"history": history.history, "evaluate": evaluation}}, f)
+    json.dump({{"history": history.history, "evaluate": evaluation,
+               "cores": sorted(os.sched_getaffinity(0))}}, f)
 """
 
 
@@ -87,6 +88,13 @@ def test_two_ranks_match_one_device(tmp_path):
     )
     reference = model.get_weights()
 
+    # Each CPU rank keras_dist started runs on cores of its own.
+    cores = [
+        set(json.loads((tmp_path / f"logs{r}.json").read_text())["cores"])
+        for r in (0, 1)
+    ]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert cores[0] and cores[1] and not cores[0] & cores[1], cores
     for rank in (0, 1):
         weights = np.load(tmp_path / f"weights{rank}.npz")
         weights = [weights[k] for k in weights.files]

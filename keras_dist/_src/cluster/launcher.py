@@ -35,6 +35,91 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 STOP_GRACE_S = 10.0
 
 
+ENV_CPU_BINDING = "KERAS_DIST_CPU_BINDING"
+_BINDINGS = ("auto", "exclusive", "none")
+
+
+def core_share(cores, local_rank: int, local_world: int) -> list[int]:
+    """The cores of `local_rank` when `cores` are split evenly and
+    exclusively among `local_world` ranks (contiguous shares in the order
+    of `cores`; left-over cores go to no rank). Empty when there are fewer
+    cores than ranks."""
+    cores = sorted(cores)
+    share = len(cores) // max(local_world, 1)
+    if share < 1 or not 0 <= local_rank < local_world:
+        return []
+    return cores[local_rank * share : (local_rank + 1) * share]
+
+
+def cpu_binding() -> str:
+    """This job's ``KERAS_DIST_CPU_BINDING`` (see `bind_to_cores`).
+
+    Raises:
+        ValueError: for a value that is not ``auto``, ``exclusive`` or
+            ``none``.
+    """
+    mode = os.environ.get(ENV_CPU_BINDING, "auto").strip().lower() or "auto"
+    if mode not in _BINDINGS:
+        raise ValueError(
+            f"{ENV_CPU_BINDING}={mode!r} is not one of {', '.join(_BINDINGS)}:"
+            " `auto` binds each CPU rank keras_dist starts to its own cores"
+            " when there are enough, `none` leaves them unbound."
+        )
+    return mode
+
+
+def bind_to_cores(local_rank: int, local_world: int) -> list[int] | None:
+    """Binds this CPU rank (all its threads) to its own share of the cores
+    it may run on, as ``torchrun --numa-binding=exclusive`` does for GPU
+    ranks, so that ranks do not migrate between cores and evict each
+    other's caches. For the torch CPU ranks keras_dist starts, which already
+    size their thread pools to that share (``OMP_NUM_THREADS``).
+
+    ``KERAS_DIST_CPU_BINDING``: ``auto`` (default: bind when every rank
+    gets at least one core of this process's affinity mask, else leave it),
+    ``exclusive`` (bind, or fail when there are fewer cores than ranks),
+    ``none`` (leave the mask as it is: for example when other jobs share
+    this host's cores).
+
+    Returns:
+        The cores bound to, or None when nothing was changed.
+
+    Raises:
+        ValueError: for an unknown setting, or ``exclusive`` with fewer
+            cores than local ranks.
+    """
+    mode = cpu_binding()
+    if (
+        mode == "none"
+        or local_world < 2
+        or not hasattr(os, "sched_setaffinity")
+    ):
+        return None
+    cores = os.sched_getaffinity(0)
+    share = core_share(cores, local_rank, local_world)
+    if not share:
+        if mode == "exclusive":
+            raise ValueError(
+                f"{ENV_CPU_BINDING}=exclusive needs a core per rank, but "
+                f"this process may run on {len(cores)} core(s) and the host "
+                f"has {local_world} ranks. Start fewer ranks per host or set "
+                f"{ENV_CPU_BINDING}=none."
+            )
+        return None
+    # Every thread already running (pools, gloo's, keras_dist's watchers),
+    # as ``taskset -a`` does; threads started later inherit the mask.
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for thread in threads:
+        try:
+            os.sched_setaffinity(thread, share)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that just ended, or one that is not ours
+    return share
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Returns a TCP port that is free on `host` right now.
 

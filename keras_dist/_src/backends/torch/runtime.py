@@ -138,6 +138,8 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
             )
         return _job
     gpu = devices[0].startswith("gpu")
+    if not gpu:
+        launcher.cpu_binding()  # a bad setting fails before ranks start
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -211,6 +213,11 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
             f"has {world} ranks (WORLD_SIZE); using one rank per process."
         )
     _job = _Job(environment, children)
+    if not gpu and (children or os.environ.get(launcher.ENV_LAUNCHED)):
+        # Ranks keras_dist started (their threads sized to a share of the
+        # cores): each gets its own cores. torchrun's or SLURM's are left
+        # to their launcher's binding.
+        launcher.bind_to_cores(local, environment.local_world_size)
     _job.start_supervisor()
     if gpu:
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
