@@ -32,6 +32,7 @@ from keras_dist._src.backends.tensorflow.inputs import (
     BATCH_KEY,
     GLOBAL_COUNT_KEY,
     LOCAL_COUNT_KEY,
+    LazyIterator,
     distribute_iterable,
 )
 from keras_dist._src.backends.tensorflow.replica_step import (
@@ -236,6 +237,8 @@ def _split_single_batches(engine, model, function):
     results read here, summed over replicas, are the batch's logs."""
 
     def split(iterator):
+        if isinstance(iterator, LazyIterator):
+            iterator = iterator.resolve()
         if isinstance(
             iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
         ):
