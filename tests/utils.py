@@ -2,6 +2,7 @@
 running a script in its own (torch multi-process) Python."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,9 @@ import time
 
 import keras
 import numpy as np
+
+#: The repository's root (on PYTHONPATH of scripts that import `tests`).
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def build_model(seed=0, dropout=0.0, bn_momentum=0.99):

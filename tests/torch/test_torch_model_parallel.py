@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -35,6 +34,7 @@ if keras.backend.backend() != "torch":
 
 import keras_dist  # noqa: E402
 from tests.utils import (  # noqa: E402
+    ROOT,
     build_model,
     compile_model,
     make_data,
@@ -42,7 +42,6 @@ from tests.utils import (  # noqa: E402
     run_torch_script,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 N, BATCH, EPOCHS = 83, 16, 2
 
 COMMON = f"""

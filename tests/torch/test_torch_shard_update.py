@@ -22,7 +22,11 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
-from tests.utils import max_relative_difference, run_torch_script  # noqa: E402
+from tests.utils import (  # noqa: E402
+    ROOT,
+    max_relative_difference,
+    run_torch_script,
+)
 
 #: (name, optimizer class, keyword arguments).
 CASES = [
@@ -94,8 +98,6 @@ def train(strategy, cls, kwargs):
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_updates_on_shards_match_one_device(tmp_path):
-    from tests.test_feature_matrix import ROOT
-
     proc, _ = run_torch_script(
         tmp_path,
         SCRIPT.format(root=str(ROOT)),
