@@ -14,8 +14,8 @@ Compares, on the same model and data:
   GPUs, so on a CPU this baseline uses per-process BatchNorm and does less
   communication than keras_dist). ``ddp / torch`` is what the gradient
   all-reduce costs torch itself: the floor for ``keras_dist / keras``.
-  Its ranks get the same core binding as keras_dist's (each rank its own
-  cores unless ``KERAS_DIST_CPU_BINDING=none``).
+  Its ranks get the same core binding as keras_dist's
+  (``KERAS_DIST_CPU_BINDING``, default none).
 
 Two models (``BENCH_MODEL``): ``dense`` (default) is two 3x3 convolutions,
 BatchNormalization, then Flatten and Dense(64): 2.1 M parameters, an 8 MB

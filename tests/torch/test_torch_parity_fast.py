@@ -63,7 +63,11 @@ def test_two_ranks_match_one_device(tmp_path):
         tmp_path,
         SCRIPT,
         timeout=600,
-        env={"KERAS_DIST_CPU_DEVICES": "2", "PYTHONPATH": str(ROOT)},
+        env={
+            "KERAS_DIST_CPU_DEVICES": "2",
+            "KERAS_DIST_CPU_BINDING": "auto",
+            "PYTHONPATH": str(ROOT),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Messages are the chief's: the default AUTO policy is logged once.
@@ -88,7 +92,7 @@ def test_two_ranks_match_one_device(tmp_path):
     )
     reference = model.get_weights()
 
-    # Each CPU rank keras_dist started runs on cores of its own.
+    # With KERAS_DIST_CPU_BINDING=auto each rank runs on cores of its own.
     cores = [
         set(json.loads((tmp_path / f"logs{r}.json").read_text())["cores"])
         for r in (0, 1)

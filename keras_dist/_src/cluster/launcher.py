@@ -58,7 +58,7 @@ def cpu_binding() -> str:
         ValueError: for a value that is not ``auto``, ``exclusive`` or
             ``none``.
     """
-    mode = os.environ.get(ENV_CPU_BINDING, "auto").strip().lower() or "auto"
+    mode = os.environ.get(ENV_CPU_BINDING, "none").strip().lower() or "none"
     if mode not in _BINDINGS:
         raise ValueError(
             f"{ENV_CPU_BINDING}={mode!r} is not one of {', '.join(_BINDINGS)}:"
@@ -75,11 +75,12 @@ def bind_to_cores(local_rank: int, local_world: int) -> list[int] | None:
     other's caches. For the torch CPU ranks keras_dist starts, which already
     size their thread pools to that share (``OMP_NUM_THREADS``).
 
-    ``KERAS_DIST_CPU_BINDING``: ``auto`` (default: bind when every rank
-    gets at least one core of this process's affinity mask, else leave it),
-    ``exclusive`` (bind, or fail when there are fewer cores than ranks),
-    ``none`` (leave the mask as it is: for example when other jobs share
-    this host's cores).
+    ``KERAS_DIST_CPU_BINDING``: ``none`` (default: leave the mask as it
+    is; binding did not change the 2-rank step ratio measurably on a quiet
+    2-core machine, and two bound jobs on one host would share the same
+    cores), ``auto`` (bind when every rank gets at least one core of this
+    process's affinity mask, else leave it), ``exclusive`` (bind, or fail
+    when there are fewer cores than ranks).
 
     Returns:
         The cores bound to, or None when nothing was changed.

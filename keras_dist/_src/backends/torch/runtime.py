@@ -215,8 +215,8 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
     _job = _Job(environment, children)
     if not gpu and (children or os.environ.get(launcher.ENV_LAUNCHED)):
         # Ranks keras_dist started (their threads sized to a share of the
-        # cores): each gets its own cores. torchrun's or SLURM's are left
-        # to their launcher's binding.
+        # cores) bind to their share as KERAS_DIST_CPU_BINDING asks (off by
+        # default). torchrun's or SLURM's keep their launcher's binding.
         launcher.bind_to_cores(local, environment.local_world_size)
     _job.start_supervisor()
     if gpu:
