@@ -163,6 +163,8 @@ class _LazyIterators:
         return LazyIterator(self._distributed)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "_distributed":
+            raise AttributeError(name)  # copy/pickle before __init__
         return getattr(self._distributed, name)
 
 
@@ -187,7 +189,7 @@ class LazyIterator:
         return next(self.resolve())
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name.startswith("__") or name in ("_distributed", "_iterator"):
             raise AttributeError(name)
         return getattr(self.resolve(), name)
 
