@@ -158,7 +158,8 @@ def test_input_type_matches_single_device(kind, monkeypatch):
     # keras_dist must not change what each type gives.
     reference = _train(None, kind)
     started = []
-    if keras.backend.backend() == "tensorflow":
+    count_started = keras.backend.backend() == "tensorflow"
+    if count_started:
         from keras_dist._src.backends.tensorflow import inputs
 
         resolve = inputs.LazyIterator.resolve
@@ -170,7 +171,7 @@ def test_input_type_matches_single_device(kind, monkeypatch):
 
         monkeypatch.setattr(inputs.LazyIterator, "resolve", counted)
     got = _train(keras_dist.MirroredStrategy(), kind)
-    if started and kind == "numpy_dict":  # no steps_per_epoch
+    if count_started and kind == "numpy_dict":  # no steps_per_epoch
         # One distributed iterator an epoch, one for evaluate, one for
         # predict: not the one Keras makes at each end and never reads.
         assert len(started) == EPOCHS + 2, len(started)
