@@ -161,33 +161,29 @@ def test_parity_with_one_device(tmp_path, monkeypatch):
     differences = {}
     # 4 ranks (the last batch of 3 leaves one rank's part empty); 2 ranks
     # are test_torch_parity_fast.py's.
-    for n in (4,):
-        proc, _ = _run(tmp_path, TRAIN, [n, tmp_path / f"n{n}"], devices=n)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert proc.stdout.count("Epoch 1/4") == 1  # only rank 0 prints
-        for rank in range(n):
-            weights = np.load(tmp_path / f"n{n}.r{rank}.npz")
-            diff = npz_max_relative_difference(reference, weights)
-            differences[(n, rank)] = diff
-            assert diff <= 1e-5, (n, rank, diff)
-            logs = json.loads((tmp_path / f"n{n}.r{rank}.json").read_text())
-            for key, values in ref_logs["history"].items():
-                np.testing.assert_allclose(
-                    logs["history"][key], values, rtol=1e-5
-                )
-            for key, value in ref_logs["evaluate"].items():
-                np.testing.assert_allclose(
-                    logs["evaluate"][key], value, rtol=1e-5
-                )
-            prediction = np.load(tmp_path / f"n{n}.pred{rank}.npy")
-            assert prediction.shape == ref_pred.shape
-            np.testing.assert_allclose(prediction, ref_pred, atol=1e-5)
-            csv = tmp_path / f"n{n}.log{rank}.csv"
-            assert csv.exists() == (rank == 0), csv
-        first = np.load(tmp_path / f"n{n}.r0.npz")
-        for rank in range(1, n):
-            other = np.load(tmp_path / f"n{n}.r{rank}.npz")
-            assert npz_max_relative_difference(first, other) == 0.0
+    n = 4
+    proc, _ = _run(tmp_path, TRAIN, [n, tmp_path / f"n{n}"], devices=n)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("Epoch 1/4") == 1  # only rank 0 prints
+    for rank in range(n):
+        weights = np.load(tmp_path / f"n{n}.r{rank}.npz")
+        diff = npz_max_relative_difference(reference, weights)
+        differences[(n, rank)] = diff
+        assert diff <= 1e-5, (n, rank, diff)
+        logs = json.loads((tmp_path / f"n{n}.r{rank}.json").read_text())
+        for key, values in ref_logs["history"].items():
+            np.testing.assert_allclose(logs["history"][key], values, rtol=1e-5)
+        for key, value in ref_logs["evaluate"].items():
+            np.testing.assert_allclose(logs["evaluate"][key], value, rtol=1e-5)
+        prediction = np.load(tmp_path / f"n{n}.pred{rank}.npy")
+        assert prediction.shape == ref_pred.shape
+        np.testing.assert_allclose(prediction, ref_pred, atol=1e-5)
+        csv = tmp_path / f"n{n}.log{rank}.csv"
+        assert csv.exists() == (rank == 0), csv
+    first = np.load(tmp_path / f"n{n}.r0.npz")
+    for rank in range(1, n):
+        other = np.load(tmp_path / f"n{n}.r{rank}.npz")
+        assert npz_max_relative_difference(first, other) == 0.0
     print("max relative weight difference:", differences)
 
 
