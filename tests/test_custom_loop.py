@@ -1,7 +1,6 @@
 """The custom training loop example gives the weights `fit` gives."""
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import sys
 import keras
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.utils import ROOT
 
 
 @pytest.mark.slow

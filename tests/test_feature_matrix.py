@@ -26,15 +26,15 @@ import os
 import re
 import sys
 import traceback
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
+from tests.utils import ROOT
+
 BACKEND = keras.backend.backend()
-ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = (2, 3)
 
 # float32 parity (SGD, tanh): see CONTRIBUTING.md.

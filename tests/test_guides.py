@@ -1,7 +1,6 @@
 """The guides' Python blocks run, in order, as one script."""
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import sys
 import keras
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.utils import ROOT
 
 
 def _run_guide(tmp_path, name, min_blocks=1):
