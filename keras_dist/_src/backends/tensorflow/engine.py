@@ -234,7 +234,10 @@ def _split_single_batches(engine, model, function):
 
     The step's logs are then one replica's view of the metrics (its own
     part's); Keras resets the metrics before these calls, so the metrics'
-    results read here, summed over replicas, are the batch's logs."""
+    results read here, summed over replicas, are the batch's logs.
+
+    Being every step function's entry, it also starts a `LazyIterator`
+    (`inputs.for_keras`) before the step traces it."""
 
     def split(iterator):
         if isinstance(iterator, LazyIterator):
