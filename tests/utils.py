@@ -105,3 +105,86 @@ def run_torch_script(
         timeout=timeout,
     )
     return proc, time.monotonic() - start
+
+
+# -- torch scripts sharing one job --------------------------------------------
+#: name -> source of a torch script that may share its job's processes with
+#: others (`register_torch_part`; run by the ``torch_parts`` fixture).
+TORCH_PARTS: dict[str, str] = {}
+
+_PARTS_DRIVER = """
+import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+for name in sys.argv[1:]:
+    path = os.path.join(here, name + ".py")
+    out = os.path.join(here, name)
+    os.makedirs(out, exist_ok=True)
+    sys.argv = [path, out]
+    with open(path) as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, {"__name__": "__main__", "__file__": path})
+    rank = os.environ.get("RANK", "0")
+    open(os.path.join(out, f"done.r{rank}"), "w").close()
+"""
+
+
+def register_torch_part(name, source):
+    """Registers a torch script (`source`, dedented) that reads its output
+    directory from ``sys.argv[1]`` and whose strategy runs on
+    ``["cpu:0", "cpu:1"]``; a test marked ``torch_part(name)`` reads what
+    it wrote through the ``torch_parts`` fixture. Returns `name`."""
+    if name in TORCH_PARTS:
+        raise ValueError(f"torch part {name!r} registered twice")
+    TORCH_PARTS[name] = textwrap.dedent(source)
+    return name
+
+
+def run_torch_parts(directory, names, timeout=600, env=None):
+    """Runs the registered scripts `names` one after another in the
+    processes of one 2-rank torch job, so that the ranks' start (importing
+    torch and Keras: about 7 s a process here) and exit are paid once.
+
+    Each part writes to ``directory/<name>/`` and, once it has ended on a
+    rank, ``done.r<rank>`` there. A part that raises ends the job (as its own
+    job would end); the parts after it do not run.
+
+    Returns:
+        ``(CompletedProcess, seconds)`` of the job.
+    """
+    for name in names:
+        (directory / f"{name}.py").write_text(TORCH_PARTS[name])
+    env = dict(env or {}, KERAS_DIST_CPU_DEVICES="2")
+    return run_torch_script(
+        directory,
+        _PARTS_DRIVER,
+        names,
+        timeout,
+        env,
+        name="parts.py",
+    )
+
+
+class TorchParts:
+    """What the shared job of the ``torch_parts`` fixture left."""
+
+    def __init__(self, directory, proc, seconds):
+        self.directory = directory
+        self.proc = proc
+        self.seconds = seconds
+
+    def output(self, name, ranks=(0, 1)):
+        """The directory part `name` wrote to, once it ended on `ranks`;
+        fails the test with the job's output when it did not."""
+        import pytest
+
+        out = self.directory / name
+        missing = [r for r in ranks if not (out / f"done.r{r}").exists()]
+        if missing:
+            pytest.fail(
+                f"torch part {name!r} did not end on rank(s) {missing}: the "
+                f"shared job exited {self.proc.returncode} after "
+                f"{self.seconds:.0f} s:\n"
+                + self.proc.stdout[-3000:]
+                + self.proc.stderr[-3000:]
+            )
+        return out

@@ -1,8 +1,9 @@
 """Keras training features under the torch MirroredStrategy (2 ranks).
 
-One script, run once in its own processes, checks several features and
-writes each rank's results to JSON; its reference is plain Keras on one
-device in the chief's process (same seed, same initial weights):
+Two scripts, run in the torch tests' shared job (`tests/torch/conftest.py`),
+check several features and write each rank's results to JSON; their
+reference is plain Keras on one device in the chief's process (same seed,
+same initial weights):
 
 * `fit(shuffle=True)` after `keras.utils.set_random_seed` draws the batches
   one device draws, and seeded and unseeded `Dropout` drop what one device
@@ -20,7 +21,6 @@ device in the chief's process (same seed, same initial weights):
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
@@ -28,7 +28,7 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
-from tests.utils import run_torch_script  # noqa: E402
+from tests.utils import register_torch_part  # noqa: E402
 
 SCRIPT = """
 import json, os, sys
@@ -193,16 +193,15 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
 """
 
 
+FEATURES = register_torch_part("features", SCRIPT)
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
-def test_torch_training_features(tmp_path):
-    proc, _ = run_torch_script(
-        tmp_path, textwrap.dedent(SCRIPT), args=[tmp_path], timeout=400
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [
-        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
-    ]
+@pytest.mark.torch_part(FEATURES)
+def test_torch_training_features(torch_parts):
+    out = torch_parts.output(FEATURES)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     chief = ranks[0]
     for case in ("shuffle_dropout", "train_step", "compute_loss"):
         assert chief[case]["init"] == 0.0, case
@@ -423,24 +422,20 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
 """
 
 
+STEPS_AND_MASKS = register_torch_part("steps_and_masks", STEPS_AND_MASKS_SCRIPT)
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
-def test_torch_masked_losses_and_user_step_logs(tmp_path):
+@pytest.mark.torch_part(STEPS_AND_MASKS)
+def test_torch_masked_losses_and_user_step_logs(torch_parts):
     """Masked per-timestep losses (Embedding(mask_zero=True) + LSTM +
     attention with 2-D sample weights, Masking + GRU, a masked output
     beside a reduction="sum" one) and the logs of
     user-written steps (the Keras guide's, a GAN with two optimizers) equal
     one device's, on both ranks (issue #17)."""
-    proc, _ = run_torch_script(
-        tmp_path,
-        textwrap.dedent(STEPS_AND_MASKS_SCRIPT),
-        args=[tmp_path],
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [
-        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
-    ]
+    out = torch_parts.output(STEPS_AND_MASKS)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     chief = ranks[0]
     for case in (
         "embedding_lstm_attention",

@@ -1,14 +1,17 @@
 """Real multi-process tests of the torch backend (gloo on localhost).
 
 Each test writes a training script to ``tmp_path`` and runs it with
-``python script.py``: the strategy itself starts the other ranks. Runs only
-under ``KERAS_BACKEND=torch``.
+``python script.py``: the strategy itself starts the other ranks; the
+per-rank BatchNormalization and deferred-metrics scripts run in the shared
+job of ``tests/torch/conftest.py`` instead. Runs only under
+``KERAS_BACKEND=torch``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -23,7 +26,11 @@ if keras.backend.backend() != "torch":
 
 from keras_dist._src.cluster import launcher, supervision  # noqa: E402
 from keras_dist._src.core.shards import shard_bounds  # noqa: E402
-from tests.utils import npz_max_relative_difference, run_torch_script  # noqa: E402
+from tests.utils import (  # noqa: E402
+    npz_max_relative_difference,
+    register_torch_part,
+    run_torch_script,
+)
 
 PRELUDE = """
 import json, os, signal, sys
@@ -253,13 +260,16 @@ with open(f"{out}.r{rank}.json", "w") as f:
 """
 
 
+PER_RANK_BN_PART = register_torch_part("per_rank_bn", PRELUDE + PER_RANK_BN)
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
-def test_per_rank_batch_norm_statistics(tmp_path):
-    proc, _ = _run(tmp_path, PER_RANK_BN, [tmp_path / "bn"], devices=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.torch_part(PER_RANK_BN_PART)
+def test_per_rank_batch_norm_statistics(torch_parts):
+    out = torch_parts.output(PER_RANK_BN_PART)
     results = [
-        json.loads((tmp_path / f"bn.r{rank}.json").read_text())
+        json.loads(pathlib.Path(f"{out}.r{rank}.json").read_text())
         for rank in range(2)
     ]
     for result in results:
@@ -349,13 +359,18 @@ with open(f"{out}.r{rank}.json", "w") as f:
 """
 
 
+DEFERRED_PART = register_torch_part(
+    "deferred_metrics", PRELUDE + DEFERRED_METRICS
+)
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
-def test_metric_sync_deferred_until_read(tmp_path):
-    proc, _ = _run(tmp_path, DEFERRED_METRICS, [tmp_path / "m"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.torch_part(DEFERRED_PART)
+def test_metric_sync_deferred_until_read(torch_parts):
+    out = torch_parts.output(DEFERRED_PART)
     ranks = [
-        json.loads((tmp_path / f"m.r{r}.json").read_text()) for r in (0, 1)
+        json.loads(pathlib.Path(f"{out}.r{r}.json").read_text()) for r in (0, 1)
     ]
     deferred, per_step = ranks[0]["deferred"], ranks[0]["per_step"]
     # Nothing reads per-step values: one all-reduce per epoch (training and

@@ -10,10 +10,10 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
     pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
 
-from tests.utils import run_torch_script  # noqa: E402
+from tests.utils import register_torch_part  # noqa: E402
 
 SCRIPT = """
-import json, sys, warnings
+import json, os, sys, warnings
 import numpy as np
 import keras
 import keras_dist
@@ -57,17 +57,19 @@ for own_loss in (False, True):
         "'sum_penalty'" in m for m in messages
     )
 if strategy.is_chief:
-    with open(sys.argv[1], "w") as f:
+    with open(os.path.join(sys.argv[1], "warned.json"), "w") as f:
         json.dump(results, f)
 """
 
 
+PART = register_torch_part("user_losses", SCRIPT)
+
+
 @pytest.mark.slow
 @pytest.mark.multi_process
-def test_own_add_loss_warns_once_regularizers_do_not(tmp_path):
-    out = tmp_path / "warned.json"
-    proc, _ = run_torch_script(tmp_path, SCRIPT, [out], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.torch_part(PART)
+def test_own_add_loss_warns_once_regularizers_do_not(torch_parts):
+    out = torch_parts.output(PART) / "warned.json"
     warned = json.loads(out.read_text())
     assert warned["False"] == 0 and warned["True"] == 1, warned
     # The warning names the layer that adds the term.
