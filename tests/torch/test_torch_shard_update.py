@@ -25,7 +25,7 @@ if keras.backend.backend() != "torch":
 from tests.utils import (  # noqa: E402
     ROOT,
     max_relative_difference,
-    run_torch_script,
+    register_torch_part,
 )
 
 #: (name, optimizer class, keyword arguments).
@@ -62,9 +62,10 @@ for name, cls, kwargs in CASES:
     out[name] = {{"weights": [w.tolist() for w in weights],
                  "on_shards": on_shards}}
 if os.environ.get("RANK", "0") == "0":
-    with open("out.json", "w") as f:
+    with open(os.path.join(sys.argv[1], "out.json"), "w") as f:
         json.dump(out, f)
 """
+PART = register_torch_part("shard_update", SCRIPT.format(root=str(ROOT)))
 
 
 def train(strategy, cls, kwargs):
@@ -97,15 +98,10 @@ def train(strategy, cls, kwargs):
 
 @pytest.mark.multi_process
 @pytest.mark.slow
-def test_updates_on_shards_match_one_device(tmp_path):
-    proc, _ = run_torch_script(
-        tmp_path,
-        SCRIPT.format(root=str(ROOT)),
-        timeout=300,
-        env={"KERAS_DIST_CPU_DEVICES": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads((tmp_path / "out.json").read_text())
+@pytest.mark.torch_part(PART)
+def test_updates_on_shards_match_one_device(torch_parts):
+    out = torch_parts.output(PART)
+    got = json.loads((out / "out.json").read_text())
     for name, cls, kwargs in CASES:
         reference, _ = train(None, cls, kwargs)
         assert got[name]["on_shards"], f"{name}: the DTensor update ran"
