@@ -229,3 +229,33 @@ def test_launch_ps_supervision_with_plain_socket_tasks(
     code, out, err = launch("no_serve", workers=1)
     assert code == 1
     assert "worker task 0 exited with code 1 before it was seen" in err
+
+
+@pytest.mark.parametrize("how", ["module", "command"])
+def test_launcher_imports_neither_keras_nor_a_backend(how):
+    # The launcher only starts and supervises workers: importing Keras and a
+    # backend there (5.5 s here) delayed every worker's start.
+    if how == "module":
+        command = [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "keras_dist.launch",
+        ]
+    else:
+        program = os.path.join(os.path.dirname(sys.executable), "keras-dist")
+        command = [sys.executable, "-X", "importtime", program, "launch"]
+    proc = subprocess.run(
+        [*command, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--nproc-per-node" in proc.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "keras_dist" in imported
+    heavy = imported & {"keras", "tensorflow", "jax", "torch", "numpy"}
+    assert not heavy, f"the launcher imported {sorted(heavy)}"
