@@ -231,21 +231,18 @@ def test_launch_ps_supervision_with_plain_socket_tasks(
     assert "worker task 0 exited with code 1 before it was seen" in err
 
 
-@pytest.mark.parametrize("how", ["module", "command"])
+@pytest.mark.parametrize("how", ["module", "command", "cli_module"])
 def test_launcher_imports_neither_keras_nor_a_backend(how):
     # The launcher only starts and supervises workers: importing Keras and a
     # backend there (5.5 s here) delayed every worker's start.
+    command = [sys.executable, "-X", "importtime"]
     if how == "module":
-        command = [
-            sys.executable,
-            "-X",
-            "importtime",
-            "-m",
-            "keras_dist.launch",
-        ]
+        command += ["-m", "keras_dist.launch"]
+    elif how == "cli_module":
+        command += ["-m", "keras_dist.cli", "launch"]
     else:
         program = os.path.join(os.path.dirname(sys.executable), "keras-dist")
-        command = [sys.executable, "-X", "importtime", program, "launch"]
+        command += [program, "launch"]
     proc = subprocess.run(
         [*command, "--help"], capture_output=True, text=True, timeout=120
     )
