@@ -43,9 +43,9 @@ if [ "${KERAS_DIST_LANES:-2}" = "1" ]; then
     run_backend "$backend" || status=1
   done
 else
-  # Measured on 2 December 2026: TensorFlow 2106 s then torch's feature
-  # matrix 324 s beside JAX 1270 s then the rest of torch 1438 s; torch's
-  # layout tests (about 117 s) moved to the first lane to even them out.
+  # Measured on 2 December 2026: TensorFlow 1925 s then torch's feature
+  # matrix and layout tests 457 s (2382 s) beside JAX 1189 s then the rest
+  # of torch 1150 s (2339 s).
   MATRIX=tests/test_feature_matrix.py
   LAYOUTS=tests/torch/test_torch_model_parallel.py
   { run_backend tensorflow; a=$?; run_backend torch "$MATRIX" "$LAYOUTS"
