@@ -4,34 +4,14 @@ Build and compile a model inside ``strategy.scope()``; ``fit``, ``evaluate``
 and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 """
 
-import os as _os
-import sys as _sys
-
 from keras_dist._src import quiet as _quiet  # isort: skip
 
 __version__ = "0.2.0"
 
-
-def _is_launcher() -> bool:
-    """Whether this process is the node launcher (``python -m
-    keras_dist.launch``, ``keras-dist launch`` or ``python -m keras_dist.cli
-    launch``). It starts and supervises
-    workers and never trains, so it imports neither Keras nor a backend:
-    they were 5.5 s of its 7.6 s start here, paid before any worker
-    started."""
-    argv = list(getattr(_sys, "orig_argv", None) or ())
-    if "-m" in argv:
-        index = argv.index("-m")
-        module = argv[index + 1 : index + 3]
-        return module[:1] == ["keras_dist.launch"] or module == [
-            _quiet.CLI_MODULE,
-            "launch",
-        ]
-    program = _os.path.basename(_sys.argv[0]) if _sys.argv else ""
-    return program in _quiet.CLI_NAMES and _sys.argv[1:2] == ["launch"]
-
-
-if _is_launcher():
+# The node launcher (`quiet.started_as_launcher`) starts and supervises
+# workers and never trains, so it imports neither Keras nor a backend: they
+# were 5.5 s of its 7.6 s start here, paid before any worker started.
+if _quiet.started_as_launcher():
     __all__: list[str] = []
 else:
     from keras_dist import callbacks, checkpoint, layers

@@ -7,6 +7,9 @@ the ``keras-dist`` command (``keras-dist doctor`` or ``python -m
 keras_dist.cli``) does it default ``TF_CPP_MIN_LOG_LEVEL`` to 1: TensorFlow's
 C++ INFO lines (the CPU-feature note printed at import) are hidden, its
 warnings and errors still show, since the doctor is there to diagnose.
+
+It also tells the package whether this process is the node launcher
+(`started_as_launcher`), which imports neither Keras nor a backend.
 """
 
 from __future__ import annotations
@@ -16,15 +19,36 @@ import sys
 
 CLI_MODULE = "keras_dist.cli"
 CLI_NAMES = ("keras-dist", "keras-dist.exe")
+LAUNCH_MODULE = "keras_dist.launch"
+
+
+def _command() -> list[str]:
+    """This process's program and its arguments: after ``-m``, the module
+    and what follows; else the script's base name and ``sys.argv[1:]``."""
+    argv = list(getattr(sys, "orig_argv", None) or ())
+    if "-m" in argv:
+        return argv[argv.index("-m") + 1 :]
+    if not sys.argv:
+        return []
+    return [os.path.basename(sys.argv[0]), *sys.argv[1:]]
 
 
 def started_as_cli() -> bool:
     """Whether this process is the ``keras-dist`` command."""
-    argv = list(getattr(sys, "orig_argv", None) or ())
-    if "-m" in argv:
-        index = argv.index("-m")
-        return argv[index + 1 : index + 2] == [CLI_MODULE]
-    return bool(sys.argv) and os.path.basename(sys.argv[0]) in CLI_NAMES
+    program = _command()[:1]
+    return program == [CLI_MODULE] or (
+        bool(program) and program[0] in CLI_NAMES
+    )
+
+
+def started_as_launcher() -> bool:
+    """Whether this process is the node launcher: ``python -m
+    keras_dist.launch``, ``keras-dist launch`` or ``python -m keras_dist.cli
+    launch``."""
+    command = _command()
+    if command[:1] == [LAUNCH_MODULE]:
+        return True
+    return started_as_cli() and command[1:2] == ["launch"]
 
 
 def quiet_cli_start() -> None:
