@@ -139,7 +139,7 @@ def register_torch_part(name, source):
     return name
 
 
-def run_torch_parts(directory, names, timeout=600, env=None):
+def run_torch_parts(directory, names, timeout=600):
     """Runs the registered scripts `names` one after another in the
     processes of one 2-rank torch job, so that the ranks' start (importing
     torch and Keras: about 7 s a process here) and exit are paid once.
@@ -153,14 +153,9 @@ def run_torch_parts(directory, names, timeout=600, env=None):
     """
     for name in names:
         (directory / f"{name}.py").write_text(TORCH_PARTS[name])
-    env = dict(env or {}, KERAS_DIST_CPU_DEVICES="2")
+    env = {"KERAS_DIST_CPU_DEVICES": "2"}
     return run_torch_script(
-        directory,
-        _PARTS_DRIVER,
-        names,
-        timeout,
-        env,
-        name="parts.py",
+        directory, _PARTS_DRIVER, names, timeout, env, name="parts.py"
     )
 
 
