@@ -158,3 +158,114 @@ def test_torch_local_moments_match_autograd_of_the_formula(shape, axes, offset):
         assert torch.autograd.gradcheck(
             lambda t: _LocalMoments.apply(t, tuple(axes))[:2], (x64,)
         )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch only")
+@pytest.mark.parametrize(
+    "shape,offset",
+    [((8, 5, 5, 3), 0.0), ((8, 5, 5, 3), 1e4), ((6, 4), 1e4), ((0, 3), 0.0)],
+)
+def test_torch_fused_normalization_matches_keras_under_autograd(shape, offset):
+    """torch's `_SyncNormalization` (moments, normalisation and an analytic
+    backward in one function) gives the outputs, moments and gradients of
+    `local_gathered_moments` followed by Keras's own normalisation under
+    autograd; and the layer's replaced call takes it in training, keeps the
+    moving statistics Keras's call keeps and leaves inference to Keras."""
+    import torch
+    from keras.src.backend.torch import nn as torch_nn
+
+    from keras_dist._src.backends.torch.batch_norm import (
+        _SyncNormalization,
+        local_gathered_moments,
+        sync_call,
+    )
+    from keras_dist._src.backends.torch.step_context import (
+        StepContext,
+        StepSlot,
+    )
+    from keras_dist._src.keras_glue import internals as glue
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=generator) + offset).requires_grad_()
+    upstream = torch.randn(shape, generator=generator)
+    channels = shape[-1]
+    gamma = (torch.rand(channels, generator=generator) + 0.5).requires_grad_()
+    beta = torch.randn(channels, generator=generator).requires_grad_()
+
+    def keras_way():
+        mean, variance = local_gathered_moments(
+            x, list(range(len(shape) - 1)), lambda v: v[None]
+        )
+        y = torch_nn.batch_normalization(x, mean, variance, -1, beta, gamma)
+        return y, mean, variance
+
+    def fused():
+        return _SyncNormalization.apply(x, gamma, beta, 1e-3, None, 1)
+
+    def exact():  # the textbook formula, float64
+        x64, gamma64, beta64 = (t.double() for t in (x, gamma, beta))
+        axes = tuple(range(len(shape) - 1))
+        mean = x64.mean(axes)
+        variance = (x64 - mean).square().mean(axes)
+        y = (x64 - mean) * torch.rsqrt(variance + 1e-3) * gamma64 + beta64
+        return y, mean, variance
+
+    results = []
+    for way in (keras_way, fused, exact):
+        y, mean, variance = way()
+        (y * upstream.to(y.dtype)).sum().backward()
+        grads = [
+            t.grad if t.grad is not None else torch.zeros_like(t)
+            for t in (x, gamma, beta)
+        ]
+        results.append(
+            [t.detach().double() for t in (y, mean, variance, *grads)]
+        )
+        for t in (x, gamma, beta):
+            t.grad = None
+    # The same moments; outputs and gradients as close to float64's as
+    # Keras's own way gets in float32 (an offset of 1e4 costs both ~1e-5).
+    if not x.numel():  # an empty shard: no float64 moments to compare to
+        results[2] = results[0]
+    for keras_value, got, truth in zip(*results):
+        scale = np.max(np.abs(truth.numpy()), initial=1.0)
+        keras_error = np.max(np.abs((keras_value - truth).numpy()), initial=0)
+        error = np.max(np.abs((got - truth).numpy()), initial=0)
+        assert error <= 1.5 * keras_error + 1e-6 * scale, (error, keras_error)
+    for a, b in zip(results[0][1:3], results[1][1:3]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    if not x.numel():
+        return  # Keras's own layer gives NaN statistics for an empty batch
+    # The layer: Keras's call against the replaced one, same weights.
+    reference = keras.layers.BatchNormalization(momentum=0.8)
+    layer = keras.layers.BatchNormalization(momentum=0.8)
+    # Keras's one-pass moments lose the 1e4 offset; compare without it.
+    inputs = x.detach() - offset
+    for bn in (reference, layer):
+        bn.build(shape)
+        bn.gamma.assign(gamma.detach())
+        bn.beta.assign(beta.detach())
+    slot = StepSlot()
+    glue.replace_batch_norm_call(
+        layer,
+        sync_call(None, 1, slot, layer, glue.original_batch_norm_call(layer)),
+    )
+    with slot.training_forward(StepContext(shape[0], shape[0])):
+        got = layer(inputs, training=True)
+    assert type(got.grad_fn).__name__ == "_SyncNormalizationBackward"
+    expected = reference(inputs, training=True)
+    np.testing.assert_allclose(
+        got.detach().numpy(), expected.detach().numpy(), rtol=0, atol=1e-5
+    )
+    for a, b in zip(
+        layer.non_trainable_weights, reference.non_trainable_weights
+    ):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-6)
+    # Outside a training forward of the step, Keras's call runs.
+    np.testing.assert_allclose(
+        layer(inputs, training=False).detach().numpy(),
+        reference(inputs, training=False).detach().numpy(),
+        rtol=1e-6,
+        atol=1e-6,
+    )

@@ -16,6 +16,7 @@ them.
 
 from __future__ import annotations
 
+import keras
 from keras.src.losses import loss as _loss_module
 from keras.src.trainers import data_adapters as _data_adapters
 from keras.src.trainers.data_adapters import (
@@ -231,6 +232,24 @@ def restore_batch_norm_moments(layer) -> None:
     """Removes a `_moments` set on the `layer` instance (Keras's private
     `BatchNormalization._moments` applies again)."""
     layer.__dict__.pop("_moments", None)
+
+
+def batch_norm_call_is_keras(layer) -> bool:
+    """Whether `layer`'s class runs Keras's own `BatchNormalization.call`
+    (not a subclass's override)."""
+    return type(layer).call is keras.layers.BatchNormalization.call
+
+
+def original_batch_norm_call(layer):
+    """Keras's own `BatchNormalization.call(inputs, training, mask)` of
+    `layer` (its class's method, bound), whatever the instance holds."""
+    return type(layer).call.__get__(layer)
+
+
+def replace_batch_norm_call(layer, call) -> None:
+    """Replaces `BatchNormalization.call` on the `layer` instance with
+    `call(inputs, training=None, mask=None)`."""
+    layer.__dict__["call"] = call
 
 
 def batch_norm_reduction_axes(layer):
