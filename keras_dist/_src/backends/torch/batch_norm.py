@@ -201,15 +201,18 @@ class _SyncNormalization(torch.autograd.Function):
         channels = x.shape[-1]
         grad = grad.reshape(-1, channels)
         centered = x.view(-1, channels) - mean
-        local = torch.stack([grad.sum(0), (grad * centered).sum(0)])
+        product = grad * centered
+        local = torch.stack([grad.sum(0), product.sum(0)])
         sums = local
         if ctx.world_size > 1:
             sums = local.clone()
             dist.all_reduce(sums, group=ctx.group)
         per_sample = sums / n
-        # k * (g - sum(g)/n - (x - mean) * sum(g (x - mean)) inverse^2 / n)
-        grad_x = centered.mul_(-(per_sample[1] * inverse * inverse))
-        grad_x = grad_x.add_(grad).sub_(per_sample[0]).mul_(inverse * gamma)
+        # k * (g - sum(g)/n - (x - mean) * sum(g (x - mean)) inverse^2 / n),
+        # in two passes written over `product` (a fresh tensor costs more).
+        k = inverse * gamma
+        grad_x = torch.addcmul(-per_sample[0] * k, grad, k, out=product)
+        grad_x.addcmul_(centered, -(per_sample[1] * inverse * inverse * k))
         return (
             grad_x.view_as(x),
             local[1] * inverse,
