@@ -52,7 +52,7 @@ def _ways():
         )
 
     def fused_way(x, gamma, beta):
-        return _SyncNormalization.apply(x, gamma, beta, 1e-3, None, 1)[0]
+        return _SyncNormalization.apply(x, gamma, beta, 1e-3, None, 1, 1.0)[0]
 
     return {"keras": keras_way, "moments": moments_way, "fused": fused_way}
 

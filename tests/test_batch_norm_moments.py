@@ -200,7 +200,7 @@ def test_torch_fused_normalization_matches_keras_under_autograd(shape, offset):
         return y, mean, variance
 
     def fused():
-        return _SyncNormalization.apply(x, gamma, beta, 1e-3, None, 1)
+        return _SyncNormalization.apply(x, gamma, beta, 1e-3, None, 1, 1.0)
 
     def exact():  # the textbook formula, float64
         x64, gamma64, beta64 = (t.double() for t in (x, gamma, beta))

@@ -9,9 +9,10 @@ same initial weights):
   one device draws, and seeded and unseeded `Dropout` drop what one device
   drops (global masks), with an empty shard in the last batch;
 * the user's global generators end as plain Keras leaves them;
-* overridden `train_step` (torch style), `test_step` and `predict_step`
-  run, exactly; an overridden `compute_loss` is exact; weight and activity
-  regularizers (`add_loss` terms) are exact;
+* overridden `train_step` (torch style, with a synchronised
+  BatchNormalization and an empty shard in the last step), `test_step` and
+  `predict_step` run, exactly; an overridden `compute_loss` is exact;
+  weight and activity regularizers (`add_loss` terms) are exact;
 * `model.save`/`save_weights` called on every rank write a valid file;
 * an exception raised in `fit` and caught by the script does not stop the
   job (the except branch runs on every rank, a second `fit` follows);
@@ -101,19 +102,26 @@ class CustomLoss(keras.Sequential):
             x, y, y_pred, sample_weight, training=training)
 
 
-def small(cls):
+def small(cls, *extra):
     # Weight and activity regularizers: `add_loss` terms that are batch
     # independent and a mean over the batch (exact under sharding).
     return cls([keras.Input((6,)),
                 keras.layers.Dense(4, activation="tanh",
                                    kernel_regularizer="l2",
                                    activity_regularizer="l2"),
+                *extra,
                 keras.layers.Dense(2)])
 
 
 CASES = {
     "shuffle_dropout": (dropout_model, dict(shuffle=True)),
-    "train_step": (lambda: small(CustomStep), dict(shuffle=False)),
+    # Synchronised BatchNorm in the user's step; rank 1's last shard is
+    # empty, so it runs a stand-in sample that counts for nothing and must
+    # meet rank 0 in the same collectives.
+    "train_step": (
+        lambda: small(CustomStep, keras.layers.BatchNormalization()),
+        dict(shuffle=False),
+    ),
     "compute_loss": (lambda: small(CustomLoss), dict(shuffle=False)),
 }
 

@@ -20,21 +20,26 @@ from keras_dist._src.keras_glue import internals as glue
 class _AllGather(torch.autograd.Function):
     """Differentiable all-gather: every rank's tensor stacked on a new first
     axis; each rank's gradient is the sum over ranks of the gradient of its
-    own part."""
+    own part, each rank's term weighted by its ``weight`` and the sum
+    divided by this rank's (`StepContext.gradient_weight`; 0: no part)."""
 
     @staticmethod
-    def forward(ctx, tensor, group, rank, world_size):
+    def forward(ctx, tensor, group, rank, world_size, weight):
         ctx.group = group
         ctx.rank = rank
+        ctx.weight = weight
         parts = [torch.empty_like(tensor) for _ in range(world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.stack(parts)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
+        grad = grad.contiguous() * ctx.weight
         dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
+        mine = grad[ctx.rank]
+        if ctx.weight:
+            mine = mine / ctx.weight
+        return mine, None, None, None, None
 
 
 class _LocalMoments(torch.autograd.Function):
@@ -130,7 +135,9 @@ def sync_moments(group, slot, layer, original):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(value):
-        return _AllGather.apply(value, group, rank, world_size)
+        context = slot.context
+        weight = 0.0 if context.phantom else context.gradient_weight
+        return _AllGather.apply(value, group, rank, world_size, weight)
 
     def moments(inputs, mask):
         context = slot.context
@@ -163,21 +170,28 @@ class _SyncNormalization(torch.autograd.Function):
 
     with ``k = gamma * rsqrt(variance + epsilon)``, sums and ``n`` over all
     ranks; ``dgamma`` and ``dbeta`` are this rank's own sums (DDP averages
-    them as every other gradient). Autograd through the moments and Keras's
+    them as every other gradient). Each rank's sums enter the all-reduce
+    times its `weight` (`StepContext.gradient_weight`) and the total is
+    divided by this rank's, so the cross-rank terms carry the weights the
+    rest of the gradient gets; a weight of 0 (a stand-in sample) adds
+    nothing, forward or backward. Autograd through the moments and Keras's
     normalisation makes about twice as many full-size passes for the same
     values, up to rounding.
     """
 
     @staticmethod
-    def forward(ctx, x, gamma, beta, epsilon, group, world_size):
+    def forward(ctx, x, gamma, beta, epsilon, group, world_size, weight):
         channels = x.shape[-1]
+        x = x.contiguous()
         flat = x.view(-1, channels)
         count = flat.shape[0]
         total = flat.sum(0)
         local_mean = total / max(count, 1)
         m2 = (flat - local_mean).square_().sum(0)
-        counts = total.new_full((channels,), float(count))
-        mine = torch.stack([counts, local_mean, m2])
+        sizes = total.new_full((channels,), float(count))
+        mine = torch.stack([sizes, local_mean, m2])
+        if not weight:  # a stand-in sample: it meets the others, adds 0
+            mine = torch.zeros_like(mine)
         if world_size > 1:
             parts = [torch.empty_like(mine) for _ in range(world_size)]
             dist.all_gather(parts, mine, group=group)
@@ -190,7 +204,7 @@ class _SyncNormalization(torch.autograd.Function):
         inverse = variance.add(epsilon).rsqrt_()
         outputs = x.subtract(mean).mul_(inverse.mul(gamma)).add_(beta)
         ctx.save_for_backward(x, mean, inverse, gamma, gathered[:, 0].sum(0))
-        ctx.group, ctx.world_size = group, world_size
+        ctx.group, ctx.world_size, ctx.weight = group, world_size, weight
         ctx.mark_non_differentiable(mean, variance)
         return outputs, mean, variance
 
@@ -203,11 +217,14 @@ class _SyncNormalization(torch.autograd.Function):
         centered = x.view(-1, channels) - mean
         product = grad * centered
         local = torch.stack([grad.sum(0), product.sum(0)])
+        weight = ctx.weight
+        if not weight:
+            local = torch.zeros_like(local)
         sums = local
         if ctx.world_size > 1:
-            sums = local.clone()
+            sums = local * weight
             dist.all_reduce(sums, group=ctx.group)
-        per_sample = sums / n
+        per_sample = sums / (n * weight) if weight else sums
         # k * (g - sum(g)/n - (x - mean) * sum(g (x - mean)) inverse^2 / n),
         # in two passes written over `product` (a fresh tensor costs more).
         k = inverse * gamma
@@ -220,17 +237,20 @@ class _SyncNormalization(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def _normalises_fused(layer, inputs, training, mask, context) -> bool:
-    """Whether a call of `layer` can take `_SyncNormalization`: a training
+    """Whether a call of `layer` takes `_SyncNormalization`: a training
     forward of Keras's own layer (no subclass call, no renorm, a scale and
-    a center) on a contiguous float32 channels-last input of a rank with
-    samples, without a mask."""
+    a center) on a float32 channels-last input, without a mask.
+
+    Every condition is the same on every rank (the layer, the dtype, the
+    rank of the input; not its size, contiguity or whether this rank's
+    shard is empty), so all ranks meet in the same collectives."""
     return bool(
         context is not None
-        and not context.phantom
         and training
         and mask is None
         and layer.trainable
@@ -243,7 +263,6 @@ def _normalises_fused(layer, inputs, training, mask, context) -> bool:
         and layer.compute_dtype == "float32"
         and inputs.dim() >= 2
         and layer.axis % inputs.dim() == inputs.dim() - 1
-        and inputs.is_contiguous()
     )
 
 
@@ -252,15 +271,18 @@ def sync_call(group, world_size, slot, layer, original):
     `keras_glue.internals.replace_batch_norm_call`) that runs a training
     forward as one `_SyncNormalization` over the process group `group` (of
     `world_size` ranks; one rank needs no collective) and updates the
-    moving statistics as Keras's `call` does. Every other call (inference,
-    a mask, renorm, other dtypes or layouts, a stand-in sample) goes to
-    `original`, whose moments `sync_moments` replaces."""
+    moving statistics as Keras's `call` does; a rank's stand-in sample for
+    an empty shard (``context.phantom``) takes part in the collectives and
+    counts for nothing. Every other call (inference, a mask, renorm, other
+    dtypes or layouts) goes to `original`, whose moments `sync_moments`
+    replaces, on every rank alike."""
 
     def call(inputs, training=None, mask=None):
         if not _normalises_fused(layer, inputs, training, mask, slot.context):
             return original(inputs, training=training, mask=mask)
         moving_mean = layer.moving_mean.value
         moving_variance = layer.moving_variance.value
+        context = slot.context
         outputs, mean, variance = _SyncNormalization.apply(
             inputs,
             layer.gamma.value,
@@ -268,6 +290,7 @@ def sync_call(group, world_size, slot, layer, original):
             layer.epsilon,
             group,
             world_size,
+            0.0 if context.phantom else context.gradient_weight,
         )
         momentum = layer.momentum
         layer.moving_mean.assign(

@@ -34,12 +34,20 @@ class StepContext:
         phantom: the step runs on a stand-in sample for an empty shard (a
             user's step): it counts for nothing (no BatchNormalization
             statistics, zero gradient share, metric updates undone).
+        gradient_weight: what this rank's gradients are multiplied by when
+            they are summed over ranks after the backward pass. Keras's
+            step through DDP: 1 (its loss already carries the rank's
+            share); a user's step: ``n_local / n_global``, applied at
+            `optimizer.apply`. BatchNormalization's backward collectives
+            weight each rank's part by it, so that its cross-rank terms get
+            the same weights as the rest of the gradient.
     """
 
     n_local: int
     n_global: int
     offset: int | None = None
     phantom: bool = False
+    gradient_weight: float = 1.0
 
 
 class StepSlot:

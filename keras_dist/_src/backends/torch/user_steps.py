@@ -121,6 +121,9 @@ class UserSteps:
         """
         model = self.model
         local, context = self.local_data(data)
+        # As `reduced_gradients` weights this rank's gradients (a stand-in
+        # sample's n_local is 0).
+        context.gradient_weight = context.n_local / context.n_global
 
         def run():
             with self.reduced_gradients(context):
