@@ -225,7 +225,12 @@ def test_step_overrides_match_one_device(replicas, cls):
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((3,))
-        h = keras.layers.Dense(4, activation="tanh")(inputs)
+        # Global-batch statistics inside the user's step: its backward
+        # crosses replicas whose gradients are weighted by their shares.
+        # No bias before BatchNormalization (its gradient is rounding).
+        h = keras.layers.Dense(4, use_bias=False)(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("tanh")(h)
         return cls(inputs, keras.layers.Dense(2)(h))
 
     plain, dist = _pair(

@@ -50,14 +50,16 @@ def set_batch_norm_sync(layer, sync: bool) -> None:
             return original(inputs, mask)
         step = step_context.current()
         valid = None if step is None else step.valid
+        share = None if step is None else step.override_share
         axes = glue.batch_norm_reduction_axes(layer)
-        return _global_moments(context, inputs, axes, valid)
+        return _global_moments(context, inputs, axes, valid, share)
 
     glue.replace_batch_norm_moments(layer, moments)
 
 
-def _global_moments(context, inputs, axes, valid):
-    """Count-weighted moments over all replicas (`core.batch_norm`)."""
+def _global_moments(context, inputs, axes, valid, share=None):
+    """Count-weighted moments over all replicas (`core.batch_norm`); `share`
+    as in `_all_reduce_sum`."""
     weight = None
     if valid is not None:
         # The mask is per sample of the step's batch; a layer whose first
@@ -68,17 +70,33 @@ def _global_moments(context, inputs, axes, valid):
             lambda: tf.ones([1] * (inputs.shape.rank or 1), "float32"),
         )
     return global_moments(
-        inputs, axes, lambda value: _all_reduce_sum(context, value), weight
+        inputs,
+        axes,
+        lambda value: _all_reduce_sum(context, value, share),
+        weight,
     )
 
 
-def _all_reduce_sum(context, value):
-    """All-reduce (SUM) whose gradient is the all-reduced upstream gradient."""
+def _all_reduce_sum(context, value, share=None):
+    """All-reduce (SUM) whose gradient is the all-reduced upstream gradient.
+
+    In a user's own step (`overrides`) each replica's gradients are
+    weighted by its `share` of the global batch when they are summed at
+    `optimizer.apply`; the upstream terms are weighted the same way here
+    (and divided by this replica's share, which `apply` multiplies back),
+    so the cross-replica terms get the weights the rest of the gradient
+    gets. Keras's own step needs none: its loss already carries the share.
+    """
 
     @tf.custom_gradient
     def reduce(local):
         def grad(upstream):
-            return context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
+            if share is None:
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
+            weighted = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, upstream * share
+            )
+            return tf.math.divide_no_nan(weighted, share)
 
         return context.all_reduce(tf.distribute.ReduceOp.SUM, local), grad
 

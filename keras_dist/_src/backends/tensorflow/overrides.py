@@ -14,7 +14,9 @@ user's step runs per replica with one device's semantics, while it runs:
   whole optimizer on the global gradient (`apply_global_gradients`);
 * a `keras.metrics.Mean` updated with a scalar (a loss) and no sample
   weight weighs it by the same share; metrics over samples (MAE, accuracy)
-  already add up numerators and denominators across replicas.
+  already add up numerators and denominators across replicas;
+* synchronised BatchNormalization weights its cross-replica gradient terms
+  by the same share (`batch_norm._all_reduce_sum`).
 
 So a step written with Keras's losses (`compute_loss` or loss objects with
 a mean reduction), `optimizer.apply` and metrics trains and logs as on one
