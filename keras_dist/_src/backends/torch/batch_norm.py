@@ -220,9 +220,8 @@ class _SyncNormalization(torch.autograd.Function):
         weight = ctx.weight
         if not weight:
             local = torch.zeros_like(local)
-        sums = local
+        sums = local * weight
         if ctx.world_size > 1:
-            sums = local * weight
             dist.all_reduce(sums, group=ctx.group)
         per_sample = sums / (n * weight) if weight else sums
         # k * (g - sum(g)/n - (x - mean) * sum(g (x - mean)) inverse^2 / n),
