@@ -43,9 +43,9 @@ if [ "${KERAS_DIST_LANES:-2}" = "1" ]; then
     run_backend "$backend" || status=1
   done
 else
-  # Measured on 2 December 2026: TensorFlow 1925 s then torch's feature
-  # matrix and layout tests 457 s (2382 s) beside JAX 1189 s then the rest
-  # of torch 1150 s (2339 s).
+  # Measured on 2 December 2026: TensorFlow 2018 s then torch's feature
+  # matrix and layout tests 350 s (2368 s) beside JAX 1179 s then the rest
+  # of torch 1035 s (2214 s).
   MATRIX=tests/test_feature_matrix.py
   LAYOUTS=tests/torch/test_torch_model_parallel.py
   { run_backend tensorflow; a=$?; run_backend torch "$MATRIX" "$LAYOUTS"
