@@ -17,6 +17,13 @@ from keras_dist._src.keras_glue import internals as glue
 
 
 # -- synchronised BatchNormalization -------------------------------------------
+def _gather(tensor, group, world_size):
+    """Every rank's `tensor` stacked on a new first axis (one all-gather)."""
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
+
+
 class _AllGather(torch.autograd.Function):
     """Differentiable all-gather: every rank's tensor stacked on a new first
     axis; each rank's gradient is the sum over ranks of the gradient of its
@@ -28,9 +35,7 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         ctx.rank = rank
         ctx.weight = weight
-        parts = [torch.empty_like(tensor) for _ in range(world_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.stack(parts)
+        return _gather(tensor, group, world_size)
 
     @staticmethod
     def backward(ctx, grad):
@@ -135,8 +140,7 @@ def sync_moments(group, slot, layer, original):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(value):
-        context = slot.context
-        weight = 0.0 if context.phantom else context.gradient_weight
+        weight = slot.context.gradient_weight
         return _AllGather.apply(value, group, rank, world_size, weight)
 
     def moments(inputs, mask):
@@ -193,9 +197,7 @@ class _SyncNormalization(torch.autograd.Function):
         if not weight:  # a stand-in sample: it meets the others, adds 0
             mine = torch.zeros_like(mine)
         if world_size > 1:
-            parts = [torch.empty_like(mine) for _ in range(world_size)]
-            dist.all_gather(parts, mine, group=group)
-            gathered = torch.stack(parts)
+            gathered = _gather(mine, group, world_size)
         else:
             gathered = mine[None]
         mean, variance = combine_moments(
@@ -240,10 +242,21 @@ class _SyncNormalization(torch.autograd.Function):
         )
 
 
+def fusable(layer) -> bool:
+    """Whether `layer` can ever take `_SyncNormalization`: Keras's own
+    BatchNormalization call (not a subclass's), no renorm, a scale and a
+    center. `sync_call` is installed on such layers only."""
+    return bool(
+        glue.batch_norm_call_is_keras(layer)
+        and not layer.renorm
+        and layer.scale
+        and layer.center
+    )
+
+
 def _normalises_fused(layer, inputs, training, mask, context) -> bool:
-    """Whether a call of `layer` takes `_SyncNormalization`: a training
-    forward of Keras's own layer (no subclass call, no renorm, a scale and
-    a center) on a float32 channels-last input, without a mask.
+    """Whether this call of a `fusable` layer takes `_SyncNormalization`:
+    a training forward on a float32 channels-last input, without a mask.
 
     Every condition is the same on every rank (the layer, the dtype, the
     rank of the input; not its size, contiguity or whether this rank's
@@ -253,10 +266,6 @@ def _normalises_fused(layer, inputs, training, mask, context) -> bool:
         and training
         and mask is None
         and layer.trainable
-        and glue.batch_norm_call_is_keras(layer)
-        and not layer.renorm
-        and layer.scale
-        and layer.center
         and isinstance(inputs, torch.Tensor)
         and inputs.dtype == torch.float32
         and layer.compute_dtype == "float32"
@@ -271,10 +280,10 @@ def sync_call(group, world_size, slot, layer, original):
     forward as one `_SyncNormalization` over the process group `group` (of
     `world_size` ranks; one rank needs no collective) and updates the
     moving statistics as Keras's `call` does; a rank's stand-in sample for
-    an empty shard (``context.phantom``) takes part in the collectives and
-    counts for nothing. Every other call (inference, a mask, renorm, other
-    dtypes or layouts) goes to `original`, whose moments `sync_moments`
-    replaces, on every rank alike."""
+    an empty shard (weight 0) takes part in the collectives and counts for
+    nothing. For `fusable` layers only; every other call (inference, a
+    mask, other dtypes or layouts) goes to `original`, whose moments
+    `sync_moments` replaces, on every rank alike."""
 
     def call(inputs, training=None, mask=None):
         if not _normalises_fused(layer, inputs, training, mask, slot.context):
@@ -289,7 +298,7 @@ def sync_call(group, world_size, slot, layer, original):
             layer.epsilon,
             group,
             world_size,
-            0.0 if context.phantom else context.gradient_weight,
+            context.gradient_weight,
         )
         momentum = layer.momentum
         layer.moving_mean.assign(

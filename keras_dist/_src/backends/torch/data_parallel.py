@@ -46,6 +46,7 @@ from keras import tree
 from keras_dist._src.backends.torch import inputs
 from keras_dist._src.backends.torch.batch_norm import (
     average_moving_statistics,
+    fusable,
     sync_call,
     sync_moments,
 )
@@ -157,16 +158,17 @@ class StepFunctions(ModelSteps, UserSteps):
                             engine.aux_group, self.slot, layer, original
                         ),
                     )
-                    glue.replace_batch_norm_call(
-                        layer,
-                        sync_call(
-                            engine.aux_group,
-                            engine.world_size,
-                            self.slot,
+                    if fusable(layer):
+                        glue.replace_batch_norm_call(
                             layer,
-                            glue.original_batch_norm_call(layer),
-                        ),
-                    )
+                            sync_call(
+                                engine.aux_group,
+                                engine.world_size,
+                                self.slot,
+                                layer,
+                                glue.original_batch_norm_call(layer),
+                            ),
+                        )
         install_global_dropout(model, _draw_shard_mask(self.slot))
         self.metrics.install()
         super().install()

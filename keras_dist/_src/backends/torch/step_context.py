@@ -37,10 +37,11 @@ class StepContext:
         gradient_weight: what this rank's gradients are multiplied by when
             they are summed over ranks after the backward pass. Keras's
             step through DDP: 1 (its loss already carries the rank's
-            share); a user's step: ``n_local / n_global``, applied at
-            `optimizer.apply`. BatchNormalization's backward collectives
-            weight each rank's part by it, so that its cross-rank terms get
-            the same weights as the rest of the gradient.
+            share); a user's step: ``n_local / n_global`` (0 for a
+            stand-in sample), applied at `optimizer.apply`.
+            BatchNormalization's backward collectives weight each rank's
+            part by it, so that its cross-rank terms get the same weights
+            as the rest of the gradient.
     """
 
     n_local: int

@@ -121,8 +121,8 @@ class UserSteps:
         """
         model = self.model
         local, context = self.local_data(data)
-        # As `reduced_gradients` weights this rank's gradients (a stand-in
-        # sample's n_local is 0).
+        # What `reduced_gradients` weights this rank's gradients by (0 for a
+        # stand-in sample: its n_local is 0).
         context.gradient_weight = context.n_local / context.n_global
 
         def run():
@@ -174,10 +174,12 @@ class UserSteps:
         with each rank's loss a mean over its shard and ``share`` its part
         of the global batch (``n_local / n_global``), that is the gradient
         of the global mean, as on one device (also for unequal shards). A
-        rank without samples contributes zeros.
+        rank without samples contributes zeros. ``share`` is
+        `context.gradient_weight`, which BatchNormalization's backward
+        collectives read too.
         """
         group = self.engine.aux_group
-        share = context.n_local / context.n_global
+        share = context.gradient_weight
         has_samples = context.n_local > 0
         patched = []
 
