@@ -51,6 +51,7 @@ class PhaseTimer:
 
     def __init__(self):
         self.seconds = defaultdict(float)
+        self.calls = defaultdict(int)
         self.active = False
         self._local = threading.local()
         self._undo = []
@@ -71,6 +72,7 @@ class PhaseTimer:
         inner = stack.pop()
         if self.active:
             self.seconds[label] += elapsed - inner
+            self.calls[label] += 1
         if stack:
             stack[-1] += elapsed
 
@@ -152,7 +154,7 @@ def _patch_backend(timer, backend):
         timer.patch(Functional, "call", "forward")
         timer.patch(torch.Tensor, "backward", "backward (DDP's all-reduce)")
         for name in ("all_reduce", "all_gather", "broadcast", "barrier"):
-            timer.patch(dist, name, "collectives (keras_dist's)")
+            timer.patch(dist, name, f"keras_dist's {name}")
     elif backend == "jax":
         import jax
 
@@ -218,7 +220,11 @@ def profile_fit(keras, model, x, y, batch, steps, backend, label):
         timer.active = False
     finally:
         timer.restore()
-    phases = {k: 1e3 * v / steps for k, v in timer.seconds.items()}
+    phases = {}
+    for label, seconds in timer.seconds.items():
+        if label.startswith("keras_dist's "):  # collectives: calls too
+            label = f"{label} ({timer.calls[label] / steps:g} per step)"
+        phases[label] = 1e3 * seconds / steps
     step_ms = 1e3 * total / steps
     phases["unattributed"] = step_ms - sum(phases.values())
     return step_ms, phases
@@ -267,7 +273,10 @@ def _torch_run(mode, steps):
         return profile_fit(keras, model, x, y, batch, steps, "torch", "Keras")
     import keras_dist
 
-    strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    strategy = keras_dist.MirroredStrategy(
+        devices=["cpu:0", "cpu:1"],
+        sync_batch_norm=os.environ.get("BENCH_SYNC_BN", "1") == "1",
+    )
     x, y = bench_torch._data(2 * batch * (steps + 5))
     with strategy.scope():
         model = bench_torch._keras_model()

@@ -252,11 +252,29 @@ with strategy.scope():
 features = keras.ops.convert_to_numpy(conv(x))  # rank 0's weights, broadcast
 shards = np.array_split(features, 2)
 expected = np.mean([s.var(axis=(0, 1, 2)) for s in shards], axis=0)
+# The step's reference: plain Keras (a clone outside the scope, the same
+# weights) on each shard with its own BatchNorm moments, the gradients
+# averaged, one SGD step (learning rate 0.01).
+import torch
+reference = keras.models.clone_model(model)
+reference.set_weights(model.get_weights())
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+grads = []
+for xs, ys in zip(np.array_split(x, 2), np.array_split(y, 2)):
+    loss = loss_fn(ys, reference(xs, training=True))
+    grads.append(torch.autograd.grad(
+        loss, [v.value for v in reference.trainable_weights]))
+stepped = [keras.ops.convert_to_numpy(v) - 0.01 * np.mean(
+    [keras.ops.convert_to_numpy(g[i]) for g in grads], axis=0)
+    for i, v in enumerate(reference.trainable_weights)]
 model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
 with open(f"{out}.r{rank}.json", "w") as f:
     json.dump({"expected": expected.tolist(),
                "global": features.var(axis=(0, 1, 2)).tolist(),
-               "moving": np.asarray(bn.moving_variance).tolist()}, f)
+               "moving": np.asarray(bn.moving_variance).tolist(),
+               "stepped": [w.tolist() for w in stepped],
+               "weights": [keras.ops.convert_to_numpy(v).tolist()
+                           for v in model.trainable_weights]}, f)
 """
 
 
@@ -277,7 +295,11 @@ def test_per_rank_batch_norm_statistics(torch_parts):
             result["moving"], result["expected"], rtol=1e-4
         )
         assert not np.allclose(result["moving"], result["global"], rtol=1e-3)
+        # The step: each rank's own moments, gradients averaged (DDP).
+        for got, want in zip(result["weights"], result["stepped"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert results[0]["moving"] == results[1]["moving"]
+    assert results[0]["weights"] == results[1]["weights"]
 
 
 @pytest.mark.multi_process

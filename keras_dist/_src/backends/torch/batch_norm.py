@@ -4,7 +4,9 @@ Synchronised (`sync_moments`): the moments of the global batch in the
 training forward pass. Not synchronised (``sync_batch_norm=False``):
 each rank normalises with its shard's moments and the moving statistics
 become their mean over the ranks that had samples
-(`average_moving_statistics`), as on JAX and TF.
+(`average_moving_statistics`), as on JAX and TF. Either way a training
+forward of Keras's own layer on a float32 channels-last input runs as one
+autograd function (`sync_call`, `_SyncNormalization`).
 """
 
 from __future__ import annotations
@@ -278,12 +280,13 @@ def sync_call(group, world_size, slot, layer, original):
     """Returns `layer`'s call (Keras's `original` replaced, see
     `keras_glue.internals.replace_batch_norm_call`) that runs a training
     forward as one `_SyncNormalization` over the process group `group` (of
-    `world_size` ranks; one rank needs no collective) and updates the
+    `world_size` ranks; with ``world_size=1`` this rank's own moments and
+    no collective, as ``sync_batch_norm=False`` wants) and updates the
     moving statistics as Keras's `call` does; a rank's stand-in sample for
     an empty shard (weight 0) takes part in the collectives and counts for
     nothing. For `fusable` layers only; every other call (inference, a
-    mask, other dtypes or layouts) goes to `original`, whose moments
-    `sync_moments` replaces, on every rank alike."""
+    mask, other dtypes or layouts) goes to `original` (with synchronised
+    BatchNorm, whose moments `sync_moments` replaces), on every rank alike."""
 
     def call(inputs, training=None, mask=None):
         if not _normalises_fused(layer, inputs, training, mask, slot.context):
@@ -298,7 +301,8 @@ def sync_call(group, world_size, slot, layer, original):
             layer.epsilon,
             group,
             world_size,
-            context.gradient_weight,
+            # One rank normalises its own samples, a stand-in one too.
+            context.gradient_weight if world_size > 1 else 1.0,
         )
         momentum = layer.momentum
         layer.moving_mean.assign(

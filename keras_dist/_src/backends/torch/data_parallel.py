@@ -27,7 +27,8 @@ adds to the engine's glue:
   and counts (differentiable, like `torch.nn.SyncBatchNorm`) unless the
   strategy has ``sync_batch_norm=False``, in which case the moving
   statistics become their mean over the ranks that had samples in the step
-  (as on JAX and TF).
+  (as on JAX and TF). Both run Keras's own layer's training forward as one
+  autograd function where they can (`batch_norm.sync_call`).
 * Dropout draws the global batch's mask and keeps this shard's rows.
 
 Each step's shard (sizes, offset, whether it is a stand-in) is one
@@ -148,27 +149,30 @@ class StepFunctions(ModelSteps, UserSteps):
         moments, Dropout calls and metric reads (on the instance)."""
         model, engine = self.model, self.engine
         self.init_user_steps()
-        if engine.sync_batch_norm:
-            for layer in glue.flatten_layers(model):
-                if isinstance(layer, keras.layers.BatchNormalization):
-                    original = glue.original_batch_norm_moments(layer)
-                    glue.replace_batch_norm_moments(
+        sync = engine.sync_batch_norm
+        for layer in glue.flatten_layers(model):
+            if not isinstance(layer, keras.layers.BatchNormalization):
+                continue
+            if sync:
+                original = glue.original_batch_norm_moments(layer)
+                glue.replace_batch_norm_moments(
+                    layer,
+                    sync_moments(engine.aux_group, self.slot, layer, original),
+                )
+            if fusable(layer):
+                # Without sync: this rank's moments, one function, no
+                # collective (the moving statistics are averaged after the
+                # step, `after_train_step`).
+                glue.replace_batch_norm_call(
+                    layer,
+                    sync_call(
+                        engine.aux_group if sync else None,
+                        engine.world_size if sync else 1,
+                        self.slot,
                         layer,
-                        sync_moments(
-                            engine.aux_group, self.slot, layer, original
-                        ),
-                    )
-                    if fusable(layer):
-                        glue.replace_batch_norm_call(
-                            layer,
-                            sync_call(
-                                engine.aux_group,
-                                engine.world_size,
-                                self.slot,
-                                layer,
-                                glue.original_batch_norm_call(layer),
-                            ),
-                        )
+                        glue.original_batch_norm_call(layer),
+                    ),
+                )
         install_global_dropout(model, _draw_shard_mask(self.slot))
         self.metrics.install()
         super().install()
