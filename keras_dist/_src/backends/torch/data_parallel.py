@@ -150,6 +150,12 @@ class StepFunctions(ModelSteps, UserSteps):
         model, engine = self.model, self.engine
         self.init_user_steps()
         sync = engine.sync_batch_norm
+        # The fused BatchNorm's ranks: all of them, or (without sync) this
+        # one alone: its own moments, no collective; the moving statistics
+        # are averaged after the step (`after_train_step`).
+        group, world_size = (
+            (engine.aux_group, engine.world_size) if sync else (None, 1)
+        )
         for layer in glue.flatten_layers(model):
             if not isinstance(layer, keras.layers.BatchNormalization):
                 continue
@@ -160,14 +166,11 @@ class StepFunctions(ModelSteps, UserSteps):
                     sync_moments(engine.aux_group, self.slot, layer, original),
                 )
             if fusable(layer):
-                # Without sync: this rank's moments, one function, no
-                # collective (the moving statistics are averaged after the
-                # step, `after_train_step`).
                 glue.replace_batch_norm_call(
                     layer,
                     sync_call(
-                        engine.aux_group if sync else None,
-                        engine.world_size if sync else 1,
+                        group,
+                        world_size,
                         self.slot,
                         layer,
                         glue.original_batch_norm_call(layer),
