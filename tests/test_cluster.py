@@ -2,11 +2,14 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import keras
 import pytest
 
+from keras_dist._src.cluster import allocator
 from keras_dist._src.cluster import environments as envs
 from keras_dist._src.cluster.environments import (
     ClusterConfigError,
@@ -414,3 +417,59 @@ def test_cpu_binding_shares_and_bad_settings(monkeypatch):
     with pytest.raises(ValueError, match="a core per rank"):
         launcher.bind_to_cores(0, len(before) + 1)
     assert os.sched_getaffinity(0) == before
+
+
+# A CPU rank's allocator: freed memory kept for the next step
+# (`tests.utils.MALLOC_PROBE` counts the faults of a step-like round).
+_ALLOCATOR_PROBE = """
+import importlib.util, json, sys
+
+spec = importlib.util.spec_from_file_location("allocator", sys.argv[1])
+allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(allocator)
+before = faults_per_round()
+tuned = allocator.tune_allocator()
+print(json.dumps({"before": before, "tuned": tuned,
+                  "after": faults_per_round()}))
+"""
+
+
+def _allocator_probe(tmp_path, **env):
+    from tests.utils import MALLOC_PROBE
+
+    script = tmp_path / "probe.py"
+    script.write_text(MALLOC_PROBE + _ALLOCATOR_PROBE)
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in allocator.USER_VARIABLES
+        and k != allocator.ENV_CPU_ALLOCATOR
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script), allocator.__file__],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's malloc only")
+def test_cpu_allocator_keeps_freed_memory(tmp_path, monkeypatch):
+    tuned = _allocator_probe(tmp_path)
+    assert tuned["tuned"] is True
+    assert tuned["before"] > 5000, tuned  # 12,288 pages a round
+    assert tuned["after"] < 100, tuned
+    # Opted out, or the user's own MALLOC_* setting: malloc left alone.
+    for env in (
+        {"KERAS_DIST_CPU_ALLOCATOR": "none"},
+        {"MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": "131072"},
+    ):
+        untouched = _allocator_probe(tmp_path, **env)
+        assert untouched["tuned"] is False, env
+        assert untouched["after"] > 5000, (env, untouched)
+    monkeypatch.setenv("KERAS_DIST_CPU_ALLOCATOR", "jemalloc")
+    with pytest.raises(ValueError, match="not one of auto, none"):
+        allocator.tune_allocator()

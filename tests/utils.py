@@ -183,3 +183,28 @@ class TorchParts:
                 + self.proc.stderr[-3000:]
             )
         return out
+
+
+# -- glibc's malloc in a CPU rank ----------------------------------------------
+#: Source of ``faults_per_round()``: the minor page faults of one round of
+#: three 16 MiB blocks allocated, written and freed (`bytearray`, through
+#: malloc), after a first round. glibc as it comes gives the 48 MiB free at
+#: the top of its heap back to the kernel and faults the 12,288 pages in
+#: again every round; with `keras_dist._src.cluster.allocator`'s tuning,
+#: none.
+MALLOC_PROBE = """
+import resource
+
+
+def faults_per_round():
+    def round_():
+        blocks = [bytearray(16 << 20) for _ in range(3)]
+        for block in blocks:
+            block[::4096] = b"x" * len(block[::4096])
+
+    round_()
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        round_()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 5
+"""

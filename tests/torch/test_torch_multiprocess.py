@@ -27,6 +27,7 @@ if keras.backend.backend() != "torch":
 from keras_dist._src.cluster import launcher, supervision  # noqa: E402
 from keras_dist._src.core.shards import shard_bounds  # noqa: E402
 from tests.utils import (  # noqa: E402
+    MALLOC_PROBE,
     npz_max_relative_difference,
     register_torch_part,
     run_torch_script,
@@ -300,6 +301,32 @@ def test_per_rank_batch_norm_statistics(torch_parts):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert results[0]["moving"] == results[1]["moving"]
     assert results[0]["weights"] == results[1]["weights"]
+
+
+CPU_ALLOCATOR = """
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+with open(f"{out}.r{strategy.worker_index}.json", "w") as f:
+    json.dump({"faults": faults_per_round()}, f)
+"""
+
+CPU_ALLOCATOR_PART = register_torch_part(
+    "cpu_allocator", PRELUDE + MALLOC_PROBE + CPU_ALLOCATOR
+)
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+@pytest.mark.torch_part(CPU_ALLOCATOR_PART)
+def test_cpu_ranks_keep_freed_memory(torch_parts):
+    # Every rank of the job (the one the script runs in and the one it
+    # starts) keeps what it frees: glibc as it comes faults the 12,288
+    # pages of the probe's blocks in again every round
+    # (tests/test_cluster.py's probe shows both).
+    out = torch_parts.output(CPU_ALLOCATOR_PART)
+    for rank in range(2):
+        faults = json.loads(pathlib.Path(f"{out}.r{rank}.json").read_text())
+        assert faults["faults"] < 100, (rank, faults)
 
 
 @pytest.mark.multi_process

@@ -18,7 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_dist._src.cluster import binding, launcher, supervision
+from keras_dist._src.cluster import (
+    allocator,
+    binding,
+    launcher,
+    supervision,
+)
 from keras_dist._src.cluster.environments import (
     ClusterEnvironment,
     detect_environment,
@@ -140,6 +145,9 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
     gpu = devices[0].startswith("gpu")
     if not gpu:
         launcher.cpu_binding()  # a bad setting fails before ranks start
+        # Every CPU rank keeps the memory it frees for its next step
+        # (KERAS_DIST_CPU_ALLOCATOR); a bad setting fails here too.
+        allocator.tune_allocator()
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
