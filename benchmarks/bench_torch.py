@@ -6,6 +6,11 @@ Compares, on the same model and data:
   batch ``2 * B``;
 * ``keras``: Keras on torch in one process with batch ``B`` (the same
   per-process batch): the target is keras_dist / keras <= 1.10;
+* ``keras_tuned``: the same with glibc's malloc tuned as keras_dist tunes
+  its CPU ranks (``KERAS_DIST_CPU_ALLOCATOR``, `cluster/allocator.py`):
+  keras_dist / keras_tuned leaves the allocator out of the comparison;
+* ``keras_dist_untuned``: keras_dist with ``KERAS_DIST_CPU_ALLOCATOR=none``
+  (malloc as it comes, as before that setting existed);
 * ``keras_x2``: two of those one-process Keras fits at the same time, so
   that both cores are busy as they are with keras_dist's two ranks;
 * ``torch``: a plain PyTorch loop in one process, batch ``B``;
@@ -15,7 +20,8 @@ Compares, on the same model and data:
   communication than keras_dist). ``ddp / torch`` is what the gradient
   all-reduce costs torch itself: the floor for ``keras_dist / keras``.
   Its ranks get the same core binding as keras_dist's
-  (``KERAS_DIST_CPU_BINDING``, default none).
+  (``KERAS_DIST_CPU_BINDING``, default none). ``ddp_tuned``: the same
+  with malloc tuned as keras_dist's ranks.
 
 Two models (``BENCH_MODEL``): ``dense`` (default) is two 3x3 convolutions,
 BatchNormalization, then Flatten and Dense(64): 2.1 M parameters, an 8 MB
@@ -32,7 +38,9 @@ Every process uses one thread (``OMP_NUM_THREADS=1``). Run::
 Besides wall time, each mode reports its CPU time per step (this
 process's, every thread of it: for keras_dist and DDP rank 0's): on a
 loaded machine the work a step does is steadier than its wall time, and
-wall minus CPU is time spent waiting (for the other rank, for gloo).
+wall minus CPU is time spent waiting (for the other rank, for gloo); and
+its minor page faults per step (memory the allocator gave back to the
+kernel and touched again).
 
 ``BENCH_SYNC_BN=0`` gives keras_dist per-process BatchNormalization, like
 the DDP baseline.
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -133,18 +142,50 @@ def _time_keras_fit(model, x, y, batch, steps):
         )
 
     fit(WARMUP)
-    start, cpu = time.perf_counter(), time.process_time()
+    clock = _Clock()
     fit(steps)
-    return (
-        (time.perf_counter() - start) / steps,
-        (time.process_time() - cpu) / steps,
-    )
+    return clock.per_step(steps)
+
+
+def _faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class _Clock:
+    """Wall time, CPU time and minor page faults from its creation."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.faults = _faults()
+
+    def per_step(self, steps):
+        """``(wall s, CPU s, faults)`` per step since the creation."""
+        return (
+            (time.perf_counter() - self.wall) / steps,
+            (time.process_time() - self.cpu) / steps,
+            (_faults() - self.faults) / steps,
+        )
 
 
 def run_keras(steps):
     """Keras on torch, one process, batch `BATCH`."""
     x, y = _data(BATCH * (steps + WARMUP))
     return _time_keras_fit(_keras_model(), x, y, BATCH, steps)
+
+
+def run_keras_tuned(steps):
+    """`run_keras` with malloc tuned as in keras_dist's CPU ranks."""
+    from keras_dist._src.cluster import allocator
+
+    if not allocator.tune_allocator():
+        raise RuntimeError("glibc's malloc could not be tuned here")
+    return run_keras(steps)
+
+
+def run_keras_dist_untuned(steps):
+    """`run_keras_dist` with ``KERAS_DIST_CPU_ALLOCATOR=none``."""
+    os.environ["KERAS_DIST_CPU_ALLOCATOR"] = "none"  # rank 1 inherits it
+    return run_keras_dist(steps)
 
 
 def run_keras_dist(steps):
@@ -187,21 +228,27 @@ def _time_torch_loop(module, parameters, rank, world, steps, sync=None):
         step(i)
     if sync:
         sync()
-    start, cpu = time.perf_counter(), time.process_time()
+    clock = _Clock()
     for i in range(WARMUP, WARMUP + steps):
         step(i)
     if sync:
         sync()
-    return (
-        (time.perf_counter() - start) / steps,
-        (time.process_time() - cpu) / steps,
-    )
+    return clock.per_step(steps)
 
 
 def run_torch(steps):
     """Plain torch in one process, batch `BATCH`: DDP's own anchor."""
     model = _torch_model()
     return _time_torch_loop(model, model.parameters(), 0, 1, steps)
+
+
+def run_ddp_tuned(steps):
+    """`run_ddp` with malloc tuned as in keras_dist's CPU ranks."""
+    from keras_dist._src.cluster import allocator
+
+    if not allocator.tune_allocator():
+        raise RuntimeError("glibc's malloc could not be tuned here")
+    return run_ddp(steps)
 
 
 def run_ddp(steps):
@@ -242,9 +289,12 @@ def run_ddp(steps):
 
 MODES = {
     "keras": run_keras,
+    "keras_tuned": run_keras_tuned,
     "keras_dist": run_keras_dist,
+    "keras_dist_untuned": run_keras_dist_untuned,
     "torch": run_torch,
     "ddp": run_ddp,
+    "ddp_tuned": run_ddp_tuned,
 }
 
 
@@ -261,14 +311,16 @@ def _start(mode, steps):
 
 def _result(mode, proc):
     stdout, stderr = proc.communicate(timeout=900)
-    match = re.search(r"STEP_SECONDS ([0-9.e-]+) CPU ([0-9.e-]+)", stdout)
+    match = re.search(
+        r"STEP_SECONDS ([0-9.e-]+) CPU ([0-9.e-]+) FAULTS ([0-9.e-]+)", stdout
+    )
     if proc.returncode != 0 or not match:
         raise RuntimeError(f"{mode} failed:\n{stderr[-3000:]}")
-    return float(match.group(1)), float(match.group(2))
+    return tuple(float(match.group(i)) for i in (1, 2, 3))
 
 
 def _measure(mode, steps):
-    """``(wall, CPU)`` step seconds of `mode`; ``keras_x2`` runs two
+    """``(wall s, CPU s, faults)`` per step of `mode`; ``keras_x2`` runs two
     one-process Keras fits at once (mean of the two): the same per-process
     batch with both cores busy, as keras_dist's two ranks keep them."""
     if mode == "keras_x2":
@@ -305,8 +357,11 @@ def main():
     if args.mode:
         seconds = MODES[args.mode](args.steps)
         if seconds is not None:
-            wall, cpu = seconds
-            print(f"STEP_SECONDS {wall:.6f} CPU {cpu:.6f}", flush=True)
+            wall, cpu, faults = seconds
+            print(
+                f"STEP_SECONDS {wall:.6f} CPU {cpu:.6f} FAULTS {faults:.1f}",
+                flush=True,
+            )
         return
     modes = args.modes.split(",")
     unknown = set(modes) - {*MODES, "keras_x2"}
@@ -314,21 +369,27 @@ def main():
         parser.error(f"unknown modes {sorted(unknown)}")
     walls = {mode: [] for mode in modes}
     cpus = {mode: [] for mode in modes}
+    faults = {mode: [] for mode in modes}
     for _ in range(args.repeats):  # interleaved, so drift hits every mode
         for mode in modes:
-            wall, cpu = _measure(mode, args.steps)
+            wall, cpu, fault = _measure(mode, args.steps)
             walls[mode].append(wall)
             cpus[mode].append(cpu)
+            faults[mode].append(fault)
     print(f"median of {args.repeats} interleaved runs, model {MODEL!r}:")
     for mode in modes:
         print(
-            f"{mode:>11}: {1000 * np.median(walls[mode]):8.2f} ms/step, "
-            f"CPU {1000 * np.median(cpus[mode]):8.2f} ms/step"
+            f"{mode:>18}: {1000 * np.median(walls[mode]):8.2f} ms/step, "
+            f"CPU {1000 * np.median(cpus[mode]):8.2f} ms/step, "
+            f"{np.median(faults[mode]):8.0f} page faults/step"
         )
     ratios = [
         ("keras_dist", "keras", "(target <= 1.10)"),
+        ("keras_dist", "keras_tuned", "(the same allocator)"),
+        ("keras_dist_untuned", "keras", "(before the allocator setting)"),
         ("keras_dist", "keras_x2", ""),
         ("keras_dist", "ddp", ""),
+        ("keras_dist", "ddp_tuned", "(the same allocator)"),
         ("ddp", "torch", "(what gloo costs torch itself)"),
     ]
     for a, b, note in ratios:
