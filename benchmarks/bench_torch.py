@@ -173,13 +173,18 @@ def run_keras(steps):
     return _time_keras_fit(_keras_model(), x, y, BATCH, steps)
 
 
-def run_keras_tuned(steps):
-    """`run_keras` with malloc tuned as in keras_dist's CPU ranks."""
-    from keras_dist._src.cluster import allocator
+def _tuned_malloc(run):
+    """`run` with glibc's malloc tuned as keras_dist tunes its CPU ranks
+    (a DDP mode's other rank reruns this mode and tunes itself)."""
 
-    if not allocator.tune_allocator():
-        raise RuntimeError("glibc's malloc could not be tuned here")
-    return run_keras(steps)
+    def tuned(steps):
+        from keras_dist._src.cluster import allocator
+
+        if not allocator.tune_allocator():
+            raise RuntimeError("glibc's malloc could not be tuned here")
+        return run(steps)
+
+    return tuned
 
 
 def run_keras_dist_untuned(steps):
@@ -242,15 +247,6 @@ def run_torch(steps):
     return _time_torch_loop(model, model.parameters(), 0, 1, steps)
 
 
-def run_ddp_tuned(steps):
-    """`run_ddp` with malloc tuned as in keras_dist's CPU ranks."""
-    from keras_dist._src.cluster import allocator
-
-    if not allocator.tune_allocator():
-        raise RuntimeError("glibc's malloc could not be tuned here")
-    return run_ddp(steps)
-
-
 def run_ddp(steps):
     """Hand-written torch DDP over 2 gloo processes."""
     import torch
@@ -289,12 +285,12 @@ def run_ddp(steps):
 
 MODES = {
     "keras": run_keras,
-    "keras_tuned": run_keras_tuned,
+    "keras_tuned": _tuned_malloc(run_keras),
     "keras_dist": run_keras_dist,
     "keras_dist_untuned": run_keras_dist_untuned,
     "torch": run_torch,
     "ddp": run_ddp,
-    "ddp_tuned": run_ddp_tuned,
+    "ddp_tuned": _tuned_malloc(run_ddp),
 }
 
 
