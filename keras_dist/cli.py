@@ -43,6 +43,8 @@ _SETTINGS = (
     "CUDA_VISIBLE_DEVICES",
     "JAX_PLATFORMS",
     "KERAS_DIST_BIND_ALL",
+    "KERAS_DIST_CPU_BINDING",
+    "KERAS_DIST_CPU_ALLOCATOR",
 )
 
 
@@ -228,6 +230,32 @@ def _framework_versions(backend: str) -> dict:
     return {}
 
 
+def _cpu_ranks(problems: list) -> dict:
+    """What torch's CPU ranks do with their cores and their malloc
+    (`KERAS_DIST_CPU_BINDING`, `KERAS_DIST_CPU_ALLOCATOR`); a bad setting,
+    which would stop the job at its start, is a problem."""
+    from keras_dist._src.cluster import allocator, launcher
+
+    ranks = {}
+    for key, read in (
+        ("binding", launcher.cpu_binding),
+        ("allocator", allocator.allocator_setting),
+    ):
+        try:
+            ranks[key] = read()
+        except ValueError as error:
+            problems.append(str(error))
+    if ranks.get("allocator") == "auto":
+        own = [n for n in allocator.USER_VARIABLES if n in os.environ]
+        if own:
+            ranks["allocator"] = f"yours ({own[0]} is set)"
+        elif allocator._glibc() is None:
+            ranks["allocator"] = "as it is (the C library is not glibc)"
+        else:
+            ranks["allocator"] = "glibc's malloc keeps freed memory"
+    return ranks
+
+
 def collect(cpu_devices: int = 0) -> dict:
     """Builds the doctor's report; ``report["problems"]`` lists what is
     wrong (empty when all is well)."""
@@ -300,6 +328,8 @@ def collect(cpu_devices: int = 0) -> dict:
     else:
         mirrored["processes"] = 1
     report["mirrored_strategy"] = mirrored
+    if backend == "torch" and devices and devices[0].startswith("cpu"):
+        report["cpu_ranks"] = _cpu_ranks(problems)
     report["mesh"] = _mesh_report(backend, devices)
     if cpu_devices and devices and devices[0].startswith("cpu"):
         if len(devices) != cpu_devices:
@@ -381,6 +411,12 @@ def _format(report: dict) -> str:
         if "note" in mirrored:
             text += f"; {mirrored['note']}"
         row("MirroredStrategy()", text)
+    cpu_ranks = report.get("cpu_ranks")
+    if cpu_ranks:
+        row(
+            "CPU ranks",
+            ", ".join(f"{key}: {value}" for key, value in cpu_ranks.items()),
+        )
     mesh = report.get("mesh")
     if mesh:
         row("mesh", mesh["text"])

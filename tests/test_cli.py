@@ -68,6 +68,10 @@ def test_doctor_simulates_four_devices_and_all_reduces():
     assert "OK: nothing wrong found." in out.stdout
     if BACKEND == "torch":
         assert "starts 4 processes" in out.stdout
+        assert (
+            "CPU ranks            binding: none, allocator: glibc's malloc "
+            "keeps freed memory" in out.stdout
+        )
     if BACKEND == "tensorflow":
         assert "ShardedDataParallel: not available" in out.stdout
     else:  # the mesh a layout strategy would use
@@ -77,8 +81,14 @@ def test_doctor_simulates_four_devices_and_all_reduces():
 
 @pytest.mark.slow  # a fresh process: 5-10 s
 def test_doctor_exits_non_zero_with_the_reason():
-    # torchrun's variables, half set: a launcher misconfiguration.
-    out = _doctor("--json", RANK="0", MASTER_PORT="29500")
+    # torchrun's variables, half set: a launcher misconfiguration; and a
+    # CPU rank setting (torch's) that would stop the job at its start.
+    out = _doctor(
+        "--json",
+        RANK="0",
+        MASTER_PORT="29500",
+        KERAS_DIST_CPU_ALLOCATOR="jemalloc",
+    )
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["cluster"]["variables"] == {
@@ -86,6 +96,10 @@ def test_doctor_exits_non_zero_with_the_reason():
         "RANK": "0",
     }
     assert any("WORLD_SIZE" in p for p in report["problems"])
+    bad_allocator = [
+        p for p in report["problems"] if "KERAS_DIST_CPU_ALLOCATOR" in p
+    ]
+    assert len(bad_allocator) == (BACKEND == "torch"), report["problems"]
 
 
 @pytest.mark.slow  # a fresh process: 5-10 s
