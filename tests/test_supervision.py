@@ -169,13 +169,13 @@ def _kill_and_check(victim: int, workers: list[int]) -> float:
     return time.monotonic() - start
 
 
-def _run(command, env, folder):
+def _run(command, env, folder, stderr=subprocess.STDOUT):
     return subprocess.Popen(
         command,
         cwd=folder,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=stderr,
         text=True,
         start_new_session=True,  # so that cleanup can kill the whole job
     )
@@ -286,10 +286,18 @@ time.sleep(600)
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_pipe_watch_ends_a_worker_whose_launcher_died(tmp_path):
-    proc = _run([sys.executable, "-c", PIPE_PARENT], _clean_env(), tmp_path)
+    # Its stdout holds the pid line alone: a backend's start-up lines
+    # (TensorFlow's C++ INFO lines at import, on some CPUs) go to a file.
+    # Read into stdout, they came first, and reading the rest for the
+    # assertion's message waited for the middle process's 600 s sleep.
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        proc = _run(
+            [sys.executable, "-c", PIPE_PARENT], _clean_env(), tmp_path, stderr
+        )
     try:
         line = proc.stdout.readline()
-        assert line.strip().isdigit(), line + proc.stdout.read()[-3000:]
+        assert line.strip().isdigit(), line + stderr_path.read_text()[-3000:]
         child = int(line)
         assert _alive(child)
         _kill_and_check(proc.pid, [child])
