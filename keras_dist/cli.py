@@ -249,7 +249,7 @@ def _cpu_ranks(problems: list) -> dict:
         own = [n for n in allocator.USER_VARIABLES if n in os.environ]
         if own:
             ranks["allocator"] = f"yours ({own[0]} is set)"
-        elif allocator._glibc() is None:
+        elif allocator.glibc() is None:
             ranks["allocator"] = "as it is (the C library is not glibc)"
         else:
             ranks["allocator"] = "glibc's malloc keeps freed memory"

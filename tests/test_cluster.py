@@ -456,7 +456,7 @@ def _allocator_probe(tmp_path, **env):
     return json.loads(proc.stdout)
 
 
-@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's malloc only")
+@pytest.mark.skipif(allocator.glibc() is None, reason="glibc's malloc only")
 def test_cpu_allocator_keeps_freed_memory(tmp_path, monkeypatch):
     tuned = _allocator_probe(tmp_path)
     assert tuned["tuned"] is True

@@ -69,7 +69,7 @@ def allocator_setting() -> str:
     return value
 
 
-def _glibc():
+def glibc():
     """The process's C library if it is glibc, else None."""
     try:
         libc = ctypes.CDLL(None)
@@ -94,7 +94,7 @@ def tune_allocator() -> bool:
         return False
     if any(name in os.environ for name in USER_VARIABLES):
         return False
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return False
     # The mmap threshold first: setting either turns off glibc's own
