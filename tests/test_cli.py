@@ -270,3 +270,36 @@ def test_launcher_imports_neither_keras_nor_a_backend(how):
     assert "keras_dist" in imported
     heavy = imported & {"keras", "tensorflow", "jax", "torch", "numpy"}
     assert not heavy, f"the launcher imported {sorted(heavy)}"
+
+
+def test_launch_ps_names_every_task_found_dead_in_one_poll(capfd):
+    # Worker 1 and ps 0 killed between two polls (a short epoch under
+    # load): both are named, the worker first; the lost ps task ends the
+    # job with its code.
+    import signal
+    import socket
+
+    from keras_dist._src.cluster.parameter_server import _supervise_ps
+
+    class Task:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = server.getsockname()
+        procs = {
+            ("chief", 0): Task(None),
+            ("ps", 0): Task(-signal.SIGKILL),
+            ("worker", 0): Task(None),
+            ("worker", 1): Task(-signal.SIGKILL),
+        }
+        code = _supervise_ps(procs, dict.fromkeys(procs, address), 2, 30)
+    err = capfd.readouterr().err
+    assert code == 128 + signal.SIGKILL
+    tolerated = err.index("worker task 1 was killed by SIGKILL; tolerated")
+    assert tolerated < err.index("ps task 0 was killed by SIGKILL")

@@ -382,7 +382,11 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
                     "and worker tasks."
                 )
             return exit_status(chief)
-        for (kind, index), code in codes.items():
+        # Workers before ps tasks: a worker and a ps task found dead in one
+        # poll are both reported (the lost ps task then ends the job).
+        for (kind, index), code in sorted(
+            codes.items(), key=lambda item: item[0][0] == "ps"
+        ):
             if code is None or kind == "chief":
                 continue
             if (kind, index) in waiting:
