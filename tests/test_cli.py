@@ -7,6 +7,8 @@ the backend starts, in a process that has not imported anything yet.
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -276,9 +278,6 @@ def test_launch_ps_names_every_task_found_dead_in_one_poll(capfd):
     # Worker 1 and ps 0 killed between two polls (a short epoch under
     # load): both are named, the worker first; the lost ps task ends the
     # job with its code.
-    import signal
-    import socket
-
     from keras_dist._src.cluster.parameter_server import _supervise_ps
 
     class Task:

@@ -18,8 +18,8 @@ of torch's CPU launcher, which preloads jemalloc or tcmalloc): blocks up to
 32 MiB come from the heap, and up to 256 MiB of free memory stays mapped
 for the next step. The price is memory: the process keeps what it frees
 (up to 256 MiB free at the top of its heap) mapped instead of returning
-it, so its resident size stays near its peak (on the dense model, 0-60
-MiB above an untuned rank's after `fit`).
+it, so its resident size stays near its peak (on the dense model, 4 to
+70 MiB above an untuned process's after `fit`).
 
 ``KERAS_DIST_CPU_ALLOCATOR``: ``auto`` (default: tune the CPU ranks of a
 torch job) or ``none`` (leave malloc as it is). A process started with any
