@@ -116,8 +116,7 @@ class LayoutPolicy:
         """Every variable lies on the mesh with its plan's layout; every
         LayoutMap key matches a variable."""
         for variable in model.variables:
-            sharding = getattr(variable.value, "sharding", None)
-            if getattr(sharding, "mesh", None) != self.mesh:
+            if not self._on_mesh(getattr(variable.value, "sharding", None)):
                 raise VariablesOutsideScopeError(
                     f"Variable {variable.path!r} of model {model.name!r} is "
                     f"not laid out on the strategy's mesh: it was created "
@@ -126,6 +125,17 @@ class LayoutPolicy:
                 )
         if getattr(model, "built", False) and model.variables:
             self.check_built(model)
+
+    def _on_mesh(self, sharding) -> bool:
+        """Whether an array with `sharding` lies on the strategy's mesh. On a
+        one-device mesh (a script sized by its device count, run on one GPU)
+        Keras keeps an array already on that device as it is: its
+        `SingleDeviceSharding` is the mesh's layout."""
+        if getattr(sharding, "mesh", None) == self.mesh:
+            return True
+        return self.mesh.size == 1 and getattr(
+            sharding, "device_set", None
+        ) == set(self.mesh.devices.flat)
 
     def check_built(self, model) -> None:
         """Once the model has its variables: every LayoutMap key must match
