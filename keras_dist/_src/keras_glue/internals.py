@@ -137,6 +137,14 @@ def torch_trainer():
 
 
 # -- model.losses -------------------------------------------------------------
+def torch_device_name() -> str:
+    """The device Keras's torch backend creates tensors on now (its default,
+    or the innermost ``keras.device`` scope's)."""
+    from keras.src.backend.torch.core import get_device
+
+    return str(get_device())
+
+
 def own_losses_override(model, default):
     """The value of Keras's private `Layer._losses_override` set on the
     `model` instance itself (what `model.losses` returns when non-empty),

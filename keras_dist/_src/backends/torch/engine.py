@@ -292,12 +292,13 @@ class OneDeviceEngine:
         return 1
 
     def scope(self):
-        """Nothing to enter: Keras places variables on the device."""
-        return contextlib.nullcontext()
+        """Keras's device scope of the strategy's device: variables go
+        there, not to Keras's default (the first GPU where there is one)."""
+        return _device_scope(self._device)
 
     def call_scope(self):
-        """Nothing to enter."""
-        return contextlib.nullcontext()
+        """The same device scope: batches and step results go there too."""
+        return _device_scope(self._device)
 
     def prepare_call(self, name, method, args, kwargs):
         """The call's arguments, unchanged."""
@@ -333,6 +334,32 @@ class OneDeviceEngine:
     def distribute_dataset(self, dataset):
         """Every batch whole."""
         return distribute_dataset(dataset, 0, 1)
+
+
+def _device_scope(device: torch.device):
+    """Keras's scope of `device`, or nothing when Keras places tensors there
+    already (its default: the current GPU where there is one, else the CPU,
+    or ``KERAS_TORCH_DEVICE``)."""
+    import keras
+
+    from keras_dist._src.keras_glue.internals import torch_device_name
+
+    if _plain(torch.device(torch_device_name())) == _plain(device):
+        return contextlib.nullcontext()
+    # "cpu", not "cpu:0": Keras moves each new variable's parameter
+    # `.to(get_device())`, and a CPU tensor moved to "cpu:0" comes back as
+    # a copy that is no longer a leaf, so it would get no gradients.
+    name = "cpu" if device.type == "cpu" else f"gpu:{device.index}"
+    return keras.device(name)
+
+
+def _plain(device: torch.device) -> torch.device:
+    """`device` with its index made explicit (a GPU's) or dropped (CPU)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
 
 
 def replicated_placement(variable):

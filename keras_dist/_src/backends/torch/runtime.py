@@ -228,7 +228,17 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         launcher.bind_to_cores(local, environment.local_world_size)
     _job.start_supervisor()
     if gpu:
-        torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(
+            gpu_index(
+                devices,
+                local,
+                environment.local_world_size,
+                torch.cuda.device_count(),
+                started_here=bool(
+                    children or os.environ.get(launcher.ENV_LAUNCHED)
+                ),
+            )
+        )
     _install_excepthook(_job)
     _init_process_group("nccl" if gpu else "gloo", environment, listener)
     _job.start_watchdog()
@@ -236,6 +246,53 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
 
     atexit.register(_shutdown)
     return _job
+
+
+def gpu_index(
+    devices, local_rank, local_world_size, visible, started_here=False
+) -> int:
+    """The CUDA device a GPU rank trains on.
+
+    A strategy that names one GPU per rank of this host (``MirroredStrategy
+    (devices=["gpu:2", "gpu:3"])``, or every GPU by default) gives each
+    local rank its own device; otherwise (a launcher that shows each rank
+    only its own GPU, say) the local rank picks among the visible ones.
+
+    Args:
+        devices: the strategy's devices.
+        local_rank: this rank's index on its host.
+        local_world_size: how many ranks this host runs.
+        visible: how many GPUs this process sees.
+        started_here: whether keras_dist started this host's ranks (they
+            all see the same GPUs then).
+
+    Raises:
+        KerasDistError: more ranks on this host than it has GPUs (NCCL runs
+            one rank per GPU), or a named GPU this process cannot see.
+    """
+    if visible < 1:
+        raise KerasDistError(
+            f"The strategy's devices {list(devices)} are GPUs, but this "
+            "process sees none (CUDA_VISIBLE_DEVICES, or torch's CPU build)."
+        )
+    if started_here and local_world_size > visible:
+        raise KerasDistError(
+            f"This host runs {local_world_size} ranks but sees {visible} "
+            f"GPU(s), and NCCL needs a GPU of its own for each rank. Start "
+            f"at most {visible} per host (keras-dist launch --nproc-per-node "
+            f"{visible}), or train on CPU ranks: devices=['cpu:0', 'cpu:1', "
+            "...] or CUDA_VISIBLE_DEVICES=''."
+        )
+    if len(devices) == local_world_size:
+        index = int(devices[local_rank].split(":")[1])
+        if index >= visible:
+            raise KerasDistError(
+                f"Rank {local_rank} of this host was given "
+                f"{devices[local_rank]!r}, but this process sees {visible} "
+                f"GPU(s) (cuda:0 to cuda:{visible - 1})."
+            )
+        return index
+    return local_rank % visible
 
 
 def _init_process_group(backend, environment, listener=None) -> None:
