@@ -318,4 +318,32 @@ def create_engine(plan, runtime, input_options):
             )
         plan = dataclasses.replace(plan, mesh=mesh)
         return _OneProcessEngine(plan, normalize_device(plan.devices[0]))
+    check_dtensor_version(torch.__version__)
     return DTensorEngine(plan, runtime, input_options)
+
+
+#: The oldest torch whose DTensor runs Keras's layers: the version CI tests.
+#: torch 2.11 was seen failing on a GPU machine (4 Dec. 2026): its DTensor
+#: has no sharding rule for ``aten.squeeze.dims`` (BatchNormalization) and
+#: refuses a convolution whose kernel width differs from its stride, even
+#: with nothing but the batch sharded. 2.12 was not tried.
+MIN_DTENSOR_TORCH = (2, 13)
+
+
+def check_dtensor_version(version: str) -> None:
+    """Raises `UnsupportedBackendError` for a torch too old for the layouts'
+    DTensor steps (before a process group's first step fails in a layer).
+
+    Args:
+        version: ``torch.__version__``.
+    """
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    if release < MIN_DTENSOR_TORCH:
+        need = ".".join(map(str, MIN_DTENSOR_TORCH))
+        raise UnsupportedBackendError(
+            f"ModelParallel and ShardedDataParallel on torch run DTensor "
+            f"steps, which need torch {need} or newer; this is torch "
+            f"{version}, whose DTensor cannot run BatchNormalization or "
+            f"most convolutions. Upgrade torch (pip install -U "
+            f"'torch>={need}'), or train with MirroredStrategy."
+        )
