@@ -87,6 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="number of simulated CPU devices for (c) and (d) (default 4)",
     )
     parser.add_argument(
+        "--device-type",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="train on CPU devices (simulated; default) or on the first "
+        "--devices GPUs (all four configurations)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run of about a minute for both backends",
@@ -236,13 +243,14 @@ class _Config:
 def _setup_configs(keras, args, backend):
     import keras_dist
 
-    devices = [f"cpu:{i}" for i in range(args.devices)]
+    kind = args.device_type
+    devices = [f"{kind}:{i}" for i in range(args.devices)]
     configs = []
 
     model = build_model(keras, args)
     configs.append(_Config("native", model, contextlib.nullcontext))
 
-    one = keras_dist.OneDeviceStrategy("cpu:0")
+    one = keras_dist.OneDeviceStrategy(devices[0])
     with one.scope():
         model = build_model(keras, args)
     configs.append(_Config("one_device", model, contextlib.nullcontext))
@@ -253,8 +261,8 @@ def _setup_configs(keras, args, backend):
     configs.append(_Config("mirrored", model, contextlib.nullcontext))
 
     if backend == "jax":
-        cpus = keras.distribution.list_devices("cpu")[: args.devices]
-        data_parallel = keras.distribution.DataParallel(devices=cpus)
+        chosen = keras.distribution.list_devices(kind)[: args.devices]
+        data_parallel = keras.distribution.DataParallel(devices=chosen)
 
         @contextlib.contextmanager
         def anchor_context():
@@ -268,7 +276,7 @@ def _setup_configs(keras, args, backend):
         import tensorflow as tf
 
         tf_strategy = tf.distribute.MirroredStrategy(
-            devices=[f"/device:CPU:{i}" for i in range(args.devices)]
+            devices=[f"/device:{kind.upper()}:{i}" for i in range(args.devices)]
         )
         anchor_context = tf_strategy.scope
     with anchor_context():
@@ -328,7 +336,7 @@ def run_backend(args) -> dict:
         raise SystemExit(f"bench_fit supports {BACKENDS}, not {backend!r}.")
     print(f"[{backend}] {_model_description(args)}", flush=True)
     print(
-        f"[{backend}] {args.devices} simulated CPU devices; "
+        f"[{backend}] {args.devices} {args.device_type} devices; "
         f"{args.repeats} repeats x {args.epochs} epochs, skipping "
         f"{args.skip} batches per epoch",
         flush=True,
@@ -414,6 +422,7 @@ def _child_argv(args, backend: str, json_path: str) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--backend", backend]
     for flag in (
         "devices",
+        "device_type",
         "samples",
         "features",
         "hidden",
@@ -493,10 +502,13 @@ def main(argv=None) -> int:
         runs = {run["backend"]: run}
     print()
     print("Model: " + _model_description(args))
-    print(
-        f"Machine: {os.cpu_count()} CPU cores; the {args.devices} devices "
-        "are simulated and share them."
+    where = (
+        "are simulated and share them"
+        if args.device_type == "cpu"
+        else f"are GPUs (the first {args.devices})"
     )
+    cores = os.cpu_count()
+    print(f"Machine: {cores} CPU cores; the {args.devices} devices {where}.")
     print(format_table(runs))
     print(f"Total: {time.perf_counter() - started:.0f}s")
     if args.json:

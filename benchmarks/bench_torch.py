@@ -44,6 +44,13 @@ kernel and touched again).
 
 ``BENCH_SYNC_BN=0`` gives keras_dist per-process BatchNormalization, like
 the DDP baseline.
+
+``BENCH_DEVICE=gpu`` runs every mode on the GPUs instead: one rank per GPU
+for ``keras_dist`` (`MultiWorkerMirroredStrategy`, NCCL, global batch
+``GPUs * B``) and ``ddp`` (NCCL, torch's `SyncBatchNorm`); ``keras`` and
+``torch`` on the first GPU. On a one-GPU machine the ratios are what
+keras_dist's step (DDP, its BatchNorm and metric collectives, over a
+one-rank NCCL group) costs over Keras's own, and DDP's over torch's.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import numpy as np
 BATCH = int(os.environ.get("BENCH_BATCH", "64"))
 MODEL = os.environ.get("BENCH_MODEL", "dense")
 WARMUP = 5
+GPU = os.environ.get("BENCH_DEVICE", "cpu") == "gpu"
 
 
 def _data(samples):
@@ -151,15 +159,31 @@ def _faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _synchronize():
+    """Waits for the GPU's queued work (nothing on CPU)."""
+    if GPU:
+        import torch
+
+        torch.cuda.synchronize()
+
+
 class _Clock:
     """Wall time, CPU time and minor page faults from its creation."""
 
     def __init__(self):
+        _synchronize()
         self.wall, self.cpu = time.perf_counter(), time.process_time()
         self.faults = _faults()
 
     def per_step(self, steps):
         """``(wall s, CPU s, faults)`` per step since the creation."""
+        _synchronize()
         return (
             (time.perf_counter() - self.wall) / steps,
             (time.process_time() - self.cpu) / steps,
@@ -197,14 +221,18 @@ def run_keras_dist(steps):
     """keras_dist MirroredStrategy over 2 gloo processes."""
     import keras_dist
 
-    strategy = keras_dist.MirroredStrategy(
-        devices=["cpu:0", "cpu:1"],
-        sync_batch_norm=os.environ.get("BENCH_SYNC_BN", "1") == "1",
-    )
-    x, y = _data(2 * BATCH * (steps + WARMUP))
+    sync = os.environ.get("BENCH_SYNC_BN", "1") == "1"
+    if GPU:  # one rank per GPU, even where there is only one
+        strategy = keras_dist.MultiWorkerMirroredStrategy(sync_batch_norm=sync)
+    else:
+        strategy = keras_dist.MirroredStrategy(
+            devices=["cpu:0", "cpu:1"], sync_batch_norm=sync
+        )
+    world = strategy.num_replicas_in_sync
+    x, y = _data(world * BATCH * (steps + WARMUP))
     with strategy.scope():
         model = _keras_model()
-        seconds = _time_keras_fit(model, x, y, 2 * BATCH, steps)
+        seconds = _time_keras_fit(model, x, y, world * BATCH, steps)
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     return seconds
@@ -219,8 +247,9 @@ def _time_torch_loop(module, parameters, rank, world, steps, sync=None):
     optimizer = torch.optim.SGD(parameters, lr=0.01)
     loss_fn = nn.CrossEntropyLoss()
     x, y = _data(world * BATCH * (steps + WARMUP))
-    x = torch.as_tensor(x).permute(0, 3, 1, 2).contiguous()
-    y = torch.as_tensor(y)
+    device = torch.device("cuda") if GPU else torch.device("cpu")
+    x = torch.as_tensor(x).permute(0, 3, 1, 2).contiguous().to(device)
+    y = torch.as_tensor(y).to(device)
 
     def step(i):
         lo = (world * i + rank) * BATCH
@@ -243,39 +272,46 @@ def _time_torch_loop(module, parameters, rank, world, steps, sync=None):
 
 def run_torch(steps):
     """Plain torch in one process, batch `BATCH`: DDP's own anchor."""
-    model = _torch_model()
+    model = _torch_model().to("cuda" if GPU else "cpu")
     return _time_torch_loop(model, model.parameters(), 0, 1, steps)
 
 
 def run_ddp(steps):
-    """Hand-written torch DDP over 2 gloo processes."""
+    """Hand-written torch DDP over 2 gloo processes (NCCL, one per GPU,
+    with ``BENCH_DEVICE=gpu``)."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from keras_dist._src.cluster import detect_environment, launcher
 
+    world = _gpus() if GPU else 2
     if not detect_environment().is_distributed:
         port = launcher.free_port()
-        children = launcher.start_workers(2, port)
+        children = launcher.start_workers(world, port)
         os.environ.update(
             RANK="0",
-            WORLD_SIZE="2",
+            WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
     else:
         children = {}
     rank = int(os.environ["RANK"])
-    # The same core binding as keras_dist's ranks (KERAS_DIST_CPU_BINDING).
-    launcher.bind_to_cores(rank, 2)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    model = _torch_model()
-    if torch.cuda.is_available():  # SyncBatchNorm is GPU-only in torch.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    if GPU:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        # SyncBatchNorm (GPU-only in torch): the statistics keras_dist uses.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(_torch_model().cuda())
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    else:
+        # The same core binding as keras_dist's ranks
+        # (KERAS_DIST_CPU_BINDING).
+        launcher.bind_to_cores(rank, 2)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        ddp = nn.parallel.DistributedDataParallel(_torch_model())
     seconds = _time_torch_loop(
-        ddp, ddp.parameters(), rank, 2, steps, sync=dist.barrier
+        ddp, ddp.parameters(), rank, world, steps, sync=dist.barrier
     )
     dist.destroy_process_group()
     for proc in children.values():
