@@ -136,7 +136,6 @@ def torch_trainer():
     return TorchTrainer
 
 
-# -- model.losses -------------------------------------------------------------
 def torch_device_name() -> str:
     """The device Keras's torch backend creates tensors on now (its default,
     or the innermost ``keras.device`` scope's)."""
@@ -145,6 +144,7 @@ def torch_device_name() -> str:
     return str(get_device())
 
 
+# -- model.losses -------------------------------------------------------------
 def own_losses_override(model, default):
     """The value of Keras's private `Layer._losses_override` set on the
     `model` instance itself (what `model.losses` returns when non-empty),
