@@ -245,19 +245,18 @@ dist.destroy_process_group()
 """
 
 
-def _run(directory, source, env=None, args=(), timeout=300):
+def _run(directory, source, env=None, args=("script.py",), timeout=300):
+    """Runs `source` (as ``script.py``), or ``python *args``, under torch
+    in `directory` with this checkout importable."""
     (directory / "script.py").write_text(textwrap.dedent(source))
-    proc = subprocess.run(
-        [sys.executable, *args, "script.py"] if not args else
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
         [sys.executable, *args],
         cwd=directory,
-        env=dict(os.environ, KERAS_BACKEND="torch",
-                 PYTHONPATH=os.pathsep.join(
-                     [str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        env=dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path,
                  **(env or {})),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    return proc
 
 
 @torch_only
