@@ -269,3 +269,31 @@ def test_torch_fused_normalization_matches_keras_under_autograd(shape, offset):
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch only")
+def test_torch_combined_moments_are_the_formula_bit_for_bit():
+    """torch's own `combine_moments` gives the bits and gradients of the
+    formula's Keras ops, with ranks that have no sample among them."""
+    import torch
+
+    from keras_dist._src.backends.torch import batch_norm as torch_bn
+    from keras_dist._src.core import batch_norm as core_bn
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 5, (3, 7)).astype("float32")
+    counts[:, 0] = 0  # a channel no rank has a sample of
+    counts[1] = 0  # a rank with an empty shard
+    means = (1e3 + rng.standard_normal((3, 7))).astype("float32")
+    m2s = rng.uniform(0, 4, (3, 7)).astype("float32")
+    results = []
+    for combine in (core_bn.combine_moments, torch_bn.combine_moments):
+        tensors = [
+            torch.tensor(a, requires_grad=True) for a in (counts, means, m2s)
+        ]
+        mean, variance = combine(*tensors, torch.float16)
+        (mean.float().sum() + 3 * variance.float().sum()).backward()
+        results.append([mean, variance] + [t.grad for t in tensors])
+    for keras_value, torch_value in zip(*results, strict=True):
+        assert keras_value.dtype == torch_value.dtype
+        assert torch.equal(keras_value, torch_value)

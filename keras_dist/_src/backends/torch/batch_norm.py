@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from keras_dist._src.core.batch_norm import combine_moments, gathered_moments
+from keras_dist._src.core.batch_norm import gathered_moments
 from keras_dist._src.keras_glue import internals as glue
 
 
@@ -123,6 +123,28 @@ def local_gathered_moments(x, axes, all_gather):
     return combine_moments(
         gathered[:, 0], gathered[:, 1], gathered[:, 2], dtype
     )
+
+
+def combine_moments(counts, means, m2s, dtype):
+    """`core.batch_norm.combine_moments` in torch's own operations: the same
+    operations in the same order (the same bits, the same gradients),
+    without the dispatch of a dozen Keras ops (about 0.2 ms of Python per
+    layer and step, which a GPU step pays in full).
+
+    Args:
+        counts, means, m2s: float32 ``(ranks, channels)`` tensors.
+        dtype: the torch dtype of the results.
+
+    Returns:
+        ``(mean, variance)``; 0 for both where no rank has a sample.
+    """
+    count = counts.sum(0)
+    empty = count == 0
+    safe = torch.where(empty, torch.ones_like(count), count)
+    mean = torch.where(empty, 0, torch.divide((counts * means).sum(0), safe))
+    spread = (counts * torch.square(means - mean[None])).sum(0)
+    variance = torch.where(empty, 0, torch.divide(m2s.sum(0) + spread, safe))
+    return mean.to(dtype), variance.to(dtype)
 
 
 def sync_moments(group, slot, layer, original):

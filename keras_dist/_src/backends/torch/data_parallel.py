@@ -316,10 +316,12 @@ class StepFunctions(ModelSteps, UserSteps):
                 "The model does not have any trainable weights.", stacklevel=2
             )
         self.after_train_step(context)
+        logs = None
         if n_local > 0:
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        self.metrics.after_step(before)
-        return self.metrics.local_result()
+            logs = model.compute_metrics(
+                x, y, y_pred, sample_weight=sample_weight
+            )
+        return self._step_logs(before, logs)
 
     def after_train_step(self, context) -> None:
         """Without synchronised BatchNorm: moving statistics averaged over
@@ -338,6 +340,7 @@ class StepFunctions(ModelSteps, UserSteps):
         before = self.metrics.before_step()
         y_pred = self._call(model, x, training=False)
         counts = global_mask_counts(engine, y_pred, n_local > 0)
+        logs = None
         if n_local > 0:
             with global_loss_denominators(
                 engine, n_local, context.n_global, counts
@@ -351,9 +354,20 @@ class StepFunctions(ModelSteps, UserSteps):
                     training=False,
                 )
             glue.loss_tracker(model).update_state(loss, sample_weight=n_local)
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            logs = model.compute_metrics(
+                x, y, y_pred, sample_weight=sample_weight
+            )
+        return self._step_logs(before, logs)
+
+    def _step_logs(self, before, logs):
+        """A step's logs after its metric updates: `logs`, the results
+        `compute_metrics` read, while the all-reduce waits (they are this
+        rank's, which is what a deferred step returns); read again after
+        an all-reduce made now, or where the rank had no sample."""
         self.metrics.after_step(before)
-        return self.metrics.local_result()
+        if logs is None or not self.engine.defer_metric_sync:
+            return self.metrics.local_result()
+        return logs
 
     def predict_step(self, data):
         """Predicts this rank's shard; returns the whole batch's outputs."""
