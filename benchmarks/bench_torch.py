@@ -218,7 +218,8 @@ def run_keras_dist_untuned(steps):
 
 
 def run_keras_dist(steps):
-    """keras_dist MirroredStrategy over 2 gloo processes."""
+    """keras_dist MirroredStrategy over 2 gloo processes (one NCCL rank per
+    GPU with ``BENCH_DEVICE=gpu``)."""
     import keras_dist
 
     sync = os.environ.get("BENCH_SYNC_BN", "1") == "1"
