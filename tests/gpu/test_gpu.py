@@ -37,8 +37,8 @@ from tests.utils import (
 )
 
 BACKEND = keras.backend.backend()
-# Parity on a GPU: both sides run the same kernels, but cuDNN may choose
-# other convolution algorithms from one model to the next.
+# The CPU tests' parity bound. Measured on an H200 (torch 2.11, JAX 0.11):
+# 0 in one process, 3.2e-6 through a one-rank NCCL job.
 TOLERANCE = 1e-5
 N, BATCH, EPOCHS = 83, 16, 3
 
