@@ -80,17 +80,22 @@ def _device_of(variable) -> str:
     return value.device.lower()
 
 
+def _train(model):
+    """The tests' fit: `N` samples, batches of `BATCH`, `EPOCHS` epochs."""
+    x, y, sw = make_data(N)
+    return model.fit(
+        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS,
+        shuffle=False, verbose=0,
+    )  # fmt: skip
+
+
 def _reference(initial):
     """Plain Keras (no keras_dist) on its default device, the GPU."""
     model = build_model()
     model.set_weights(initial)
     compile_model(model)
     assert "cpu" not in _device_of(model.variables[0])
-    x, y, sw = make_data(N)
-    history = model.fit(
-        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    history = _train(model)
     return model.get_weights(), history.history
 
 
@@ -112,11 +117,7 @@ def test_default_strategy_trains_on_the_gpus_like_plain_keras(initial):
         compile_model(model)
     assert all("gpu" in _device_of(v) or "cuda" in _device_of(v)
                for v in model.variables)  # fmt: skip
-    x, y, sw = make_data(N)
-    history = model.fit(
-        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    history = _train(model)
     weights, reference_history = _reference(initial)
     worst = max_relative_difference(weights, model.get_weights())
     figure("mirrored_vs_keras_max_rel", f"{worst:.3g}")
@@ -165,11 +166,7 @@ def test_jax_model_parallel_over_the_gpus_matches_plain_keras(initial):
         model = build_model()
         model.set_weights(initial)
         compile_model(model)
-    x, y, sw = make_data(N)
-    model.fit(
-        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    _train(model)
     weights, _ = _reference(initial)
     worst = max_relative_difference(weights, model.get_weights())
     figure("model_parallel_vs_keras_max_rel", f"{worst:.3g}")
@@ -290,14 +287,13 @@ def test_torch_model_parallel_runs_dtensor_on_a_cuda_mesh(tmp_path, initial):
         pytest.skip("a one-rank mesh: written for one GPU")
     import torch
 
-    from keras_dist._src.backends.torch.sharded import MIN_DTENSOR_TORCH
+    from keras_dist._src.backends.torch.sharded import dtensor_runs_on
 
     np.savez(tmp_path / "initial.npz", *initial)
     proc = _run(
         tmp_path, DTENSOR_SCRIPT.format(n=N, batch=BATCH, epochs=EPOCHS)
     )
-    release = tuple(int(p) for p in torch.__version__.split(".")[:2])
-    if release < MIN_DTENSOR_TORCH:
+    if not dtensor_runs_on(torch.__version__):
         # Refused when the strategy is made, not by a layer mid-step.
         figure("dtensor_refused_torch", torch.__version__)
         assert proc.returncode != 0

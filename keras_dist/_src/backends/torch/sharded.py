@@ -330,6 +330,13 @@ def create_engine(plan, runtime, input_options):
 MIN_DTENSOR_TORCH = (2, 13)
 
 
+def dtensor_runs_on(version: str) -> bool:
+    """Whether torch `version` (``torch.__version__``) is at least
+    `MIN_DTENSOR_TORCH`."""
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    return release >= MIN_DTENSOR_TORCH
+
+
 def check_dtensor_version(version: str) -> None:
     """Raises `UnsupportedBackendError` for a torch too old for the layouts'
     DTensor steps (before a process group's first step fails in a layer).
@@ -337,8 +344,7 @@ def check_dtensor_version(version: str) -> None:
     Args:
         version: ``torch.__version__``.
     """
-    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
-    if release < MIN_DTENSOR_TORCH:
+    if not dtensor_runs_on(version):
         need = ".".join(map(str, MIN_DTENSOR_TORCH))
         raise UnsupportedBackendError(
             f"ModelParallel and ShardedDataParallel on torch run DTensor "
