@@ -95,7 +95,11 @@ class SPMDEngine:
         # next step is dispatched while one runs (the host's dispatch overlaps
         # the devices' work), never more. Measured with 64-step fits under a
         # load of 9 on 2 cores: unbounded aborted; 2 and 4 in flight did not
-        # (3 and 1 runs of 10-13 fits). Accelerators keep unbounded dispatch.
+        # (3 and 1 runs of 10-13 fits). It is a deadlock, not a slow thread:
+        # with XLA's rendezvous timeout raised to 200 s
+        # (--xla_cpu_collective_call_terminate_timeout_seconds), two of the
+        # four devices waited all 200 s, then it aborted (4 Dec. 2026).
+        # Accelerators keep unbounded dispatch.
         self.max_in_flight = steps_in_flight(self.mesh.devices.flat)
         # An output of each dispatched step that may still run, oldest first.
         self.in_flight = collections.deque()
