@@ -218,6 +218,38 @@ def _multi_io(ctx):
     return ctx.results(model, _fit(model, x, y), x, y)
 
 
+@row("list_inputs_without_targets")
+def _list_inputs_without_targets(ctx):
+    """A two-input model given a list `x` and no targets (its loss is its
+    own `compute_loss`): Keras hands each batch over as `(x,)`, which must
+    not be read as `x=x[0], y=x[1]`. Batches of 5 leave parts of unequal
+    size and a last batch of 2."""
+
+    class Unsupervised(keras.Model):
+        def compute_loss(
+            self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs
+        ):
+            return ops.mean(ops.square(y_pred - 1.0))
+
+    def build():
+        a, b = keras.Input((4,)), keras.Input((3,))
+        h = keras.layers.Dense(8, activation="tanh")(
+            keras.layers.Concatenate()([a, b])
+        )
+        return Unsupervised([a, b], keras.layers.Dense(2)(h))
+
+    model = ctx.model(build)
+    x = [_data()[0], np.random.default_rng(2).normal(size=(12, 3))]
+    x[1] = x[1].astype("float32")
+    history = model.fit(x, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    return ctx.results(
+        model,
+        history,
+        evaluate=model.evaluate(x, batch_size=5, verbose=0),
+        predict=model.predict(x, batch_size=5, verbose=0),
+    )
+
+
 def _custom_train_step_class():
     """The Keras guide's "customizing fit" train_step, per backend."""
     mse = keras.losses.MeanSquaredError()

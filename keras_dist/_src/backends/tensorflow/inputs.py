@@ -32,6 +32,18 @@ def without_count(data):
     return data
 
 
+def dataset_element(args):
+    """The element of a dataset whose `map` function got `*args`.
+
+    tf.data passes a tuple element's items as separate arguments. One
+    argument that is itself a tuple or list is therefore a one-item tuple
+    (Keras's `(x,)` for a multi-input `x` without targets) and stays
+    wrapped; unwrapped, `(a, b)` would read as `x=a, y=b`."""
+    if len(args) == 1 and not isinstance(args[0], (tuple, list)):
+        return args[0]
+    return args
+
+
 def distribute_global_batches(strategy, dataset, options=None):
     """Splits each global batch of `dataset` across replicas, exactly.
 
@@ -65,7 +77,7 @@ def distribute_global_batches(strategy, dataset, options=None):
                 # part aborts the step. Only then: padding rows go through
                 # the forward pass, and a batch-dependent `add_loss`
                 # (activity regularizers) would see them.
-                batch = batch[0] if len(batch) == 1 else batch
+                batch = dataset_element(batch)
                 leaves = [t for t in tree.flatten(batch) if t is not None]
                 count = tf.shape(leaves[0])[0]
                 ceil = (count + replicas - 1) // replicas
@@ -88,7 +100,7 @@ def distribute_global_batches(strategy, dataset, options=None):
         return for_keras(native(strategy, dataset, options))
 
     def split(*batch):
-        batch = batch[0] if len(batch) == 1 else batch
+        batch = dataset_element(batch)
         leaves = [t for t in tree.flatten(batch) if t is not None]
         count = tf.shape(leaves[0])[0]
         base, extra = count // replicas, count % replicas
