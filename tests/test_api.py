@@ -223,6 +223,32 @@ def test_run_reduce_gather_and_distributed_dataset():
     assert seen == list(range(10))  # every sample once, in order
 
 
+@needs_multi
+def test_local_results_of_structures_are_one_structure_per_replica():
+    """A dict batch and what `run` returns for it split into one dict per
+    replica, as tf.distribute's `experimental_local_results` does."""
+    strategy = keras_dist.MirroredStrategy()
+    n = strategy.num_replicas_in_sync
+    x = np.arange(21, dtype="float32").reshape(7, 3)
+    (batch,) = strategy.distribute_dataset([{"a": x, "b": x[:, 0]}])
+    parts = strategy.experimental_local_results(batch)
+    assert len(parts) == n
+    assert all(set(part) == {"a", "b"} for part in parts)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(part["a"]) for part in parts]), x
+    )
+    sums = strategy.run(
+        lambda d: {"a": keras.ops.sum(d["a"]), "b": keras.ops.sum(d["b"])},
+        args=(batch,),
+    )
+    results = strategy.experimental_local_results(sums)
+    assert len(results) == n
+    np.testing.assert_allclose(
+        [float(np.asarray(r["a"])) for r in results],
+        [float(np.asarray(part["a"]).sum()) for part in parts],
+    )
+
+
 def batch_values(parts):
     return np.concatenate([np.asarray(p) for p in parts])
 

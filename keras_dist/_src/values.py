@@ -46,7 +46,34 @@ class PerReplica:
 
 
 def local_results(value):
-    """Returns the tuple of per-replica parts of `value` (1-tuple if plain)."""
+    """Returns the tuple of per-replica parts of `value` (1-tuple if plain).
+
+    A nested structure with `PerReplica` leaves (a batch of a distributed
+    dataset that is a dict, what `Strategy.run` returns for a dict) gives
+    one structure per replica, as in `tf.distribute`."""
     if isinstance(value, PerReplica):
         return value.values
-    return (value,)
+    from keras import tree
+
+    counts = {
+        len(leaf)
+        for leaf in tree.flatten(value)
+        if isinstance(leaf, PerReplica)
+    }
+    if not counts:
+        return (value,)
+    if len(counts) > 1:
+        raise ValueError(
+            "The per-replica values in this structure have different "
+            f"numbers of replicas ({sorted(counts)}); they must come from "
+            "one strategy."
+        )
+    return tuple(
+        tree.map_structure(
+            lambda leaf, i=i: (
+                leaf.values[i] if isinstance(leaf, PerReplica) else leaf
+            ),
+            value,
+        )
+        for i in range(counts.pop())
+    )
