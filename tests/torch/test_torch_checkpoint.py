@@ -5,11 +5,19 @@ the first process only (``kill <pid>`` of the launcher) or every process
 (``kill -- -<pgid>``, what a terminal's Ctrl-C or SLURM does): both ranks
 stop after the same step, rank 0 saves, the job exits with code 75, and
 the restarted job ends with the weights of an uninterrupted run.
+
+A checkpoint directory that one rank cannot see fails the save on both
+ranks at once, with the reason, and leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+
+from tests.utils import register_torch_part
 
 keras = pytest.importorskip("keras")
 if keras.backend.backend() != "torch":
@@ -24,3 +32,47 @@ from tests.test_checkpoint_process import interrupt_and_resume  # noqa: E402
 def test_sigterm_stops_both_ranks_and_resumes_exactly(tmp_path, to_all):
     difference = interrupt_and_resume(tmp_path, "torch", ranks=2, to_all=to_all)
     assert difference <= 1e-6
+
+
+DIRECTORIES_DIFFER = """
+import json, os, sys, time
+import keras, keras_dist
+
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+rank = strategy.worker_index
+# Each rank its own directory, as tempfile.mkdtemp() in the script gives.
+manager = keras_dist.checkpoint.CheckpointManager(os.path.join(out, f"r{rank}"))
+start = time.monotonic()
+try:
+    manager.save(model, 1)
+    error = None
+except keras_dist.checkpoint.CheckpointError as caught:
+    error = str(caught)
+with open(os.path.join(out, f"result.r{rank}.json"), "w") as f:
+    json.dump({"error": error, "seconds": time.monotonic() - start}, f)
+"""
+
+DIRECTORIES_DIFFER_PART = register_torch_part(
+    "checkpoint_directories_differ", DIRECTORIES_DIFFER
+)
+
+
+@pytest.mark.multi_process
+@pytest.mark.torch_part(DIRECTORIES_DIFFER_PART)
+def test_a_directory_a_process_cannot_see_fails_every_process(torch_parts):
+    # Before, rank 1 could not write its pieces nor say so, and the chief
+    # waited 30 minutes (`shard_timeout`) for them.
+    out = torch_parts.output(DIRECTORIES_DIFFER_PART)
+    for rank in range(2):
+        result = json.loads((out / f"result.r{rank}.json").read_text())
+        assert result["error"] is not None, rank
+        assert "process(es) [1] cannot see" in result["error"]
+        assert "given different directories" in result["error"]
+        assert result["seconds"] < 60, result
+    # Nothing half-written is left, and rank 1's path was not touched.
+    assert os.listdir(out / "r0") == []
+    assert not (out / "r1").exists()

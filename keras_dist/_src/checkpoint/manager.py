@@ -133,6 +133,7 @@ class CheckpointManager:
                 f"Cannot write checkpoint {step} into {self.directory!r}: "
                 f"the chief could not create its directory ({token[1:]})."
             )
+        self._check_every_process_sees(runtime, step, token)
         job = _ShardWriter(self, step, token, runtime, entries, metadata)
         if self.async_save:
             self._writer = job.start()
@@ -148,6 +149,42 @@ class CheckpointManager:
                 f"Writing checkpoint {step} into {self.directory!r} failed "
                 f"on the chief (process 0), which commits it: {failure}"
             )
+
+    def _check_every_process_sees(self, runtime, step, token) -> None:
+        """Fails on every process, before any writes, when one cannot see
+        the temporary directory the chief created (a directory that is not
+        shared, or a path that differs between processes): the chief would
+        otherwise wait `shard_timeout` for pieces that never come."""
+        temp = shards.temp_path(self.directory, step, token)
+        if runtime.all_reduce(int(os.path.isdir(temp)), "min"):
+            return
+        views = runtime.all_gather(
+            [int(os.path.isdir(temp)), os.path.abspath(self.directory)]
+        )
+        if runtime.is_chief:
+            shards.abort(self.directory, step, token)
+        blind = [rank for rank, (sees, _) in enumerate(views) if not sees]
+        paths = {path for _, path in views}
+        if len(paths) > 1:
+            where = ", ".join(
+                f"process {rank}: {path!r}"
+                for rank, (_, path) in enumerate(views)
+            )
+            hint = (
+                f"The processes were given different directories ({where}). "
+                "Pass every process the same path (one made with "
+                "tempfile.mkdtemp() differs in every process)."
+            )
+        else:
+            hint = (
+                "The directory must be on a filesystem every process sees "
+                "(NFS, Lustre, a shared volume); point it there."
+            )
+        raise fmt.CheckpointError(
+            f"Cannot write checkpoint {step}: process(es) {blind} cannot see "
+            "the temporary directory the chief (process 0) created for it "
+            f"in {self.directory!r}. {hint}"
+        )
 
     def wait(self, model=None) -> None:
         """Waits for the asynchronous save in flight (collective).

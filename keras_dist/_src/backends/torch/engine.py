@@ -207,8 +207,8 @@ class TorchEngine:
             self.job.mute()
             raise RankFailedError(
                 f"Rank {self.rank} stops because another rank failed: "
-                f"{first}. Fix the error of that rank (its traceback is in "
-                "its output)."
+                f"{first.rstrip('.')}. Fix the error of that rank (its "
+                "traceback is in its output)."
             ) from error
 
     def _reported_failure(self) -> str | None:
