@@ -6,8 +6,9 @@ the first process only (``kill <pid>`` of the launcher) or every process
 stop after the same step, rank 0 saves, the job exits with code 75, and
 the restarted job ends with the weights of an uninterrupted run.
 
-A checkpoint directory that one rank cannot see fails the save on both
-ranks at once, with the reason, and leaves nothing half-written.
+A checkpoint directory that one rank cannot see fails the save (and a
+restore) on both ranks at once, with the reason, and leaves nothing
+half-written.
 """
 
 from __future__ import annotations
@@ -52,8 +53,18 @@ try:
     error = None
 except keras_dist.checkpoint.CheckpointError as caught:
     error = str(caught)
+result = {"error": error, "seconds": time.monotonic() - start}
+# A checkpoint the chief finds in its directory and rank 1 cannot see.
+shared = os.path.join(out, "shared")
+keras_dist.checkpoint.CheckpointManager(shared).save(model, 2)
+mine = shared if rank == 0 else os.path.join(out, "elsewhere")
+try:
+    keras_dist.checkpoint.CheckpointManager(mine).restore(model)
+    result["restore_error"] = None
+except keras_dist.checkpoint.CheckpointError as caught:
+    result["restore_error"] = str(caught)
 with open(os.path.join(out, f"result.r{rank}.json"), "w") as f:
-    json.dump({"error": error, "seconds": time.monotonic() - start}, f)
+    json.dump(result, f)
 """
 
 DIRECTORIES_DIFFER_PART = register_torch_part(
@@ -73,6 +84,9 @@ def test_a_directory_a_process_cannot_see_fails_every_process(torch_parts):
         assert "process(es) [1] cannot see" in result["error"]
         assert "given different directories" in result["error"]
         assert result["seconds"] < 60, result
-    # Nothing half-written is left, and rank 1's path was not touched.
+        # Restoring, every process learns that rank 1 cannot see it.
+        assert "process(es) [1] cannot see it" in result["restore_error"]
+    # Nothing half-written is left, and rank 1's paths were not touched.
     assert os.listdir(out / "r0") == []
     assert not (out / "r1").exists()
+    assert not (out / "elsewhere").exists()

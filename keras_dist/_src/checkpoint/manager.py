@@ -249,7 +249,27 @@ class CheckpointManager:
         if step < 0:
             return None
         if found is None:  # another process: the chief verified it
-            path = os.path.join(self.directory, f"{fmt.PREFIX}{step}")
+            if path is None:
+                path = os.path.join(self.directory, f"{fmt.PREFIX}{step}")
+            path = os.fspath(path)
+        else:
+            path = found[0]
+        if not runtime.all_reduce(int(os.path.isdir(path)), "min"):
+            blind = [
+                rank
+                for rank, sees in enumerate(
+                    runtime.all_gather(int(os.path.isdir(path)))
+                )
+                if not sees
+            ]
+            raise fmt.CheckpointError(
+                f"Cannot restore checkpoint {step}: process(es) {blind} "
+                f"cannot see it (at {path!r} on this process), which the "
+                "chief (process 0) found in its directory. Every process "
+                "must be given the same directory, on a filesystem all of "
+                "them see."
+            )
+        if found is None:
             metadata = fmt.read_metadata(path)
             found = (path, metadata, _open(path, metadata, verify=False))
         return found
