@@ -155,20 +155,17 @@ class CheckpointManager:
         the temporary directory the chief created (a directory that is not
         shared, or a path that differs between processes): the chief would
         otherwise wait `shard_timeout` for pieces that never come."""
-        temp = shards.temp_path(self.directory, step, token)
-        if runtime.all_reduce(int(os.path.isdir(temp)), "min"):
-            return
-        views = runtime.all_gather(
-            [int(os.path.isdir(temp)), os.path.abspath(self.directory)]
+        blind = _blind_processes(
+            runtime, shards.temp_path(self.directory, step, token)
         )
+        if not blind:
+            return
         if runtime.is_chief:
             shards.abort(self.directory, step, token)
-        blind = [rank for rank, (sees, _) in enumerate(views) if not sees]
-        paths = {path for _, path in views}
-        if len(paths) > 1:
+        paths = runtime.all_gather(os.path.abspath(self.directory))
+        if len(set(paths)) > 1:
             where = ", ".join(
-                f"process {rank}: {path!r}"
-                for rank, (_, path) in enumerate(views)
+                f"process {rank}: {path!r}" for rank, path in enumerate(paths)
             )
             hint = (
                 f"The processes were given different directories ({where}). "
@@ -254,14 +251,8 @@ class CheckpointManager:
             path = os.fspath(path)
         else:
             path = found[0]
-        if not runtime.all_reduce(int(os.path.isdir(path)), "min"):
-            blind = [
-                rank
-                for rank, sees in enumerate(
-                    runtime.all_gather(int(os.path.isdir(path)))
-                )
-                if not sees
-            ]
+        blind = _blind_processes(runtime, path)
+        if blind:
             raise fmt.CheckpointError(
                 f"Cannot restore checkpoint {step}: process(es) {blind} "
                 f"cannot see it (at {path!r} on this process), which the "
@@ -354,6 +345,17 @@ def _open(path, metadata, verify=True):
             fmt.verify(path)
         return fmt.open_arrays(path, metadata)
     return fmt.load_arrays(path, metadata, verify=verify)
+
+
+def _blind_processes(runtime, path) -> list:
+    """The processes that cannot see directory `path`, [] when every one
+    can (collective: one all-reduce, and a gather only when one cannot)."""
+    sees = int(os.path.isdir(path))
+    if runtime.all_reduce(sees, "min"):
+        return []
+    return [
+        rank for rank, seen in enumerate(runtime.all_gather(sees)) if not seen
+    ]
 
 
 def _load_newest(directory, path=None):
