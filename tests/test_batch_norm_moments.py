@@ -297,3 +297,31 @@ def test_torch_combined_moments_are_the_formula_bit_for_bit():
     for keras_value, torch_value in zip(*results, strict=True):
         assert keras_value.dtype == torch_value.dtype
         assert torch.equal(keras_value, torch_value)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch only")
+def test_torch_one_rank_job_averages_no_moving_statistics():
+    """`sync_batch_norm=False` in a one-rank job (a one-GPU machine): the
+    moving statistics stay as the step left them and no collective runs
+    (here there is no process group at all: one would raise)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from keras_dist._src.backends.torch.batch_norm import (
+        average_moving_statistics,
+    )
+
+    assert not dist.is_initialized()
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.BatchNormalization()]
+    )
+    model(np.ones((4, 3), "float32"), training=True)
+    before = [v.value.clone() for v in model.non_trainable_variables]
+    engine = SimpleNamespace(
+        world_size=1, aux_group=None, device=torch.device("cpu")
+    )
+    average_moving_statistics(engine, model, SimpleNamespace(n_local=4))
+    for value, variable in zip(before, model.non_trainable_variables):
+        assert torch.equal(value, variable.value)

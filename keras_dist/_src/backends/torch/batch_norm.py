@@ -371,7 +371,10 @@ def average_moving_statistics(engine, model, context) -> None:
     """After a training step without synchronised BatchNorm: `model`'s
     floating non-trainable variables (moving statistics; not seed
     generators) averaged over the ranks with samples in the step
-    (`context`, a `StepContext`)."""
+    (`context`, a `StepContext`). A one-rank job has nothing to average
+    (and skips the all-reduce and the host sync it costs on a GPU)."""
+    if engine.world_size == 1:
+        return
     variables = [
         v
         for v in model.non_trainable_variables
