@@ -14,7 +14,12 @@ Configurations, side by side in the same run as the ratio benchmarks:
 * ``--backend torch``: plain Keras on torch in one process (batch ``B``)
   and keras_dist `MirroredStrategy` over 2 gloo processes (global batch
   ``2 B``, rank 0 reported), the model of ``bench_torch.py``
-  (``BENCH_MODEL=dense|pooled``);
+  (``BENCH_MODEL=dense|pooled``); with ``--device-type gpu`` Keras on the
+  first GPU and keras_dist `MultiWorkerMirroredStrategy` as one NCCL rank
+  per GPU (as ``BENCH_DEVICE=gpu bench_torch.py``). A GPU runs
+  asynchronously: there a phase's time is the host's (the Python and the
+  kernel launches), which is what a step of these models costs on a GPU;
+  the step's total waits for the GPU;
 * ``--backend jax`` / ``tensorflow``: plain Keras, keras_dist
   `MirroredStrategy` x4 and the anchor (`keras.distribution.DataParallel` /
   `tf.distribute.MirroredStrategy` x4) on 4 simulated CPU devices, the MLP of
@@ -26,9 +31,17 @@ holds forward, backward, all-reduce and update together, and a JAX host
 "wait" is the time the host blocks for the devices. The wrappers cost about
 a microsecond per call; compare configurations, not absolute figures.
 
+``--by-package`` adds, per configuration, a second timed fit under
+cProfile and its own (exclusive) Python time per step summed by package:
+where a Python-bound step's host time goes (``keras_dist``, ``keras``,
+``torch``'s Python, and C functions called from Python). A tensor
+operator (``a * b``) is no call cProfile sees: its time counts for the
+function that applies it (on a CPU, compute; on a GPU, a launch).
+
 Run::
 
     python benchmarks/profile_step.py --backend torch [--steps 30]
+    python benchmarks/profile_step.py --backend torch --device-type gpu
     python benchmarks/profile_step.py --backend jax
 """
 
@@ -185,11 +198,50 @@ def _wrap_train_function(timer, model, label):
     model.train_function = None
 
 
-def profile_fit(keras, model, x, y, batch, steps, backend, label):
+def _synchronize(backend):
+    """Waits for a GPU's queued torch work (nothing elsewhere)."""
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+def _package_of(filename):
+    """The top-level package a profiled function belongs to."""
+    if filename.startswith("~") or filename.startswith("<"):
+        return "C functions (called from Python)"
+    for package in ("keras_dist", "keras", "torch", "jax", "tensorflow"):
+        if f"/{package}/" in filename:
+            return package
+    return "other Python"
+
+
+def python_by_package(run, steps):
+    """Own (exclusive) Python time per step of `run()` under cProfile,
+    summed by package: ``{package: ms per step}``."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    totals = defaultdict(float)
+    for (filename, _, _), row in pstats.Stats(profile).stats.items():
+        totals[_package_of(filename)] += row[2]  # tottime
+    return {k: 1e3 * v / steps for k, v in totals.items()}
+
+
+def profile_fit(
+    keras, model, x, y, batch, steps, backend, label, by_package=False
+):
     """Profiles `steps` steps of ``model.fit`` after a warm-up fit.
 
     Returns:
-        ``(ms per step, {phase: ms per step})``.
+        ``(ms per step, {phase: ms per step})``; with `by_package` also
+        ``{package: ms of own Python per step}`` from a second fit under
+        cProfile.
     """
     timer = PhaseTimer()
     _patch_common(timer, keras)
@@ -213,9 +265,11 @@ def profile_fit(keras, model, x, y, batch, steps, backend, label):
 
     try:
         fit(5)
+        _synchronize(backend)
         timer.active = True
         start = time.perf_counter()
         fit(steps)
+        _synchronize(backend)
         total = time.perf_counter() - start
         timer.active = False
     finally:
@@ -227,6 +281,8 @@ def profile_fit(keras, model, x, y, batch, steps, backend, label):
         phases[label] = 1e3 * seconds / steps
     step_ms = 1e3 * total / steps
     phases["unattributed"] = step_ms - sum(phases.values())
+    if by_package:
+        return step_ms, phases, python_by_package(lambda: fit(steps), steps)
     return step_ms, phases
 
 
@@ -234,15 +290,15 @@ def print_table(results):
     """One column per configuration: ms per step and % of the step."""
     names = list(results)
     phases = []
-    for _, table in results.values():
-        phases += [p for p in table if p not in phases]
+    for result in results.values():
+        phases += [p for p in result[1] if p not in phases]
     width = max(len(p) for p in phases + ["step"]) + 2
     head = "".join(f"{n:>22}" for n in names)
     print(f"{'phase':<{width}}{head}")
     for phase in phases:
         cells = ""
         for name in names:
-            step, table = results[name]
+            step, table = results[name][:2]
             ms = table.get(phase)
             cells += (
                 f"{ms:11.2f} ({100 * ms / step:4.1f}%)  "
@@ -254,30 +310,49 @@ def print_table(results):
         f"{'step':<{width}}"
         + "".join(f"{results[n][0]:11.2f} ms{'':>8}" for n in names)
     )
+    packages = [r[2] for r in results.values() if len(r) > 2]
+    if not packages:
+        return
+    print("own Python time under cProfile, ms per step, by package:")
+    kinds = sorted({k for table in packages for k in table})
+    print(f"{'package':<{width}}{head}")
+    for kind in kinds:
+        cells = "".join(
+            f"{results[n][2].get(kind, 0.0):11.2f}{'':>11}" for n in names
+        )
+        print(f"{kind:<{width}}{cells}")
 
 
 # -- torch ---------------------------------------------------------------------
-def _torch_run(mode, steps):
+def _torch_run(mode, steps, by_package):
     sys.path.insert(0, HERE)
     import bench_torch
     import keras
 
     batch = bench_torch.BATCH
+    # A run under cProfile needs data for its own fit too.
+    fits = 2 if by_package else 1
     if mode == "keras":
-        x, y = bench_torch._data(batch * (steps + 5))
+        x, y = bench_torch._data(batch * (fits * steps + 5))
         model = bench_torch._keras_model()
         model.compile(
             optimizer=keras.optimizers.SGD(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-        return profile_fit(keras, model, x, y, batch, steps, "torch", "Keras")
+        return profile_fit(
+            keras, model, x, y, batch, steps, "torch", "Keras", by_package
+        )
     import keras_dist
 
-    strategy = keras_dist.MirroredStrategy(
-        devices=["cpu:0", "cpu:1"],
-        sync_batch_norm=os.environ.get("BENCH_SYNC_BN", "1") == "1",
-    )
-    x, y = bench_torch._data(2 * batch * (steps + 5))
+    sync = os.environ.get("BENCH_SYNC_BN", "1") == "1"
+    if bench_torch.GPU:  # one NCCL rank per GPU, even where there is one
+        strategy = keras_dist.MultiWorkerMirroredStrategy(sync_batch_norm=sync)
+    else:
+        strategy = keras_dist.MirroredStrategy(
+            devices=["cpu:0", "cpu:1"], sync_batch_norm=sync
+        )
+    world = strategy.num_replicas_in_sync
+    x, y = bench_torch._data(world * batch * (fits * steps + 5))
     with strategy.scope():
         model = bench_torch._keras_model()
         model.compile(
@@ -285,17 +360,35 @@ def _torch_run(mode, steps):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         result = profile_fit(
-            keras, model, x, y, 2 * batch, steps, "torch", "keras_dist"
+            keras,
+            model,
+            x,
+            y,
+            world * batch,
+            steps,
+            "torch",
+            "keras_dist",
+            by_package,
         )
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     return result
 
 
-def _run_child(mode, steps):
+def _run_child(mode, steps, device_type, by_package):
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    env["BENCH_DEVICE"] = device_type
+    extra = ["--by-package"] if by_package else []
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", mode, "--steps", str(steps)],
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--steps",
+            str(steps),
+            *extra,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -308,7 +401,7 @@ def _run_child(mode, steps):
 
 
 # -- JAX and TensorFlow -------------------------------------------------------
-def _in_process(backend, steps):
+def _in_process(backend, steps, by_package):
     os.environ["KERAS_BACKEND"] = backend
     os.environ["KERAS_DIST_CPU_DEVICES"] = "4"
     sys.path.insert(0, HERE)
@@ -331,6 +424,7 @@ def _in_process(backend, steps):
                 steps,
                 backend,
                 config.name,
+                by_package,
             )
     del keras_dist
     return results
@@ -343,21 +437,43 @@ def main():
         "--backend", choices=("torch", "jax", "tensorflow"), required=False
     )
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--device-type",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="torch: run on the GPUs (one NCCL rank per GPU)",
+    )
+    parser.add_argument(
+        "--by-package",
+        action="store_true",
+        help="also each configuration's own Python time by package",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        result = _torch_run(args.child, args.steps)
+        result = _torch_run(args.child, args.steps, args.by_package)
         if result is not None:
             print("PROFILE", repr(result), flush=True)
         return
     backend = args.backend or os.environ.get("KERAS_BACKEND", "jax")
     if backend == "torch":
+        gpu = args.device_type == "gpu"
+        run = functools.partial(
+            _run_child,
+            steps=args.steps,
+            device_type=args.device_type,
+            by_package=args.by_package,
+        )
         results = {
-            "Keras, 1 process": _run_child("keras", args.steps),
-            "keras_dist, 2 ranks": _run_child("keras_dist", args.steps),
+            "Keras, 1 process": run("keras"),
+            ("keras_dist, 1 rank/GPU" if gpu else "keras_dist, 2 ranks"): run(
+                "keras_dist"
+            ),
         }
     else:
-        results = _in_process(backend, args.steps)
+        if args.device_type != "cpu":
+            parser.error("--device-type gpu is for --backend torch")
+        results = _in_process(backend, args.steps, args.by_package)
     print(f"{backend}: ms per step by phase ({args.steps} steps)")
     print_table(results)
 
