@@ -293,7 +293,8 @@ def print_table(results):
     for result in results.values():
         phases += [p for p in result[1] if p not in phases]
     width = max(len(p) for p in phases + ["step"]) + 2
-    head = "".join(f"{n:>22}" for n in names)
+    column = max(24, *(len(n) + 2 for n in names))
+    head = "".join(f"{n:>{column}}" for n in names)
     print(f"{'phase':<{width}}{head}")
     for phase in phases:
         cells = ""
@@ -301,14 +302,14 @@ def print_table(results):
             step, table = results[name][:2]
             ms = table.get(phase)
             cells += (
-                f"{ms:11.2f} ({100 * ms / step:4.1f}%)  "
+                f"{f'{ms:.2f} ({100 * ms / step:4.1f}%)':>{column}}"
                 if ms is not None
-                else f"{'-':>22}"
+                else f"{'-':>{column}}"
             )
         print(f"{phase:<{width}}{cells}")
     print(
         f"{'step':<{width}}"
-        + "".join(f"{results[n][0]:11.2f} ms{'':>8}" for n in names)
+        + "".join(f"{f'{results[n][0]:.2f} ms':>{column}}" for n in names)
     )
     packages = [r[2] for r in results.values() if len(r) > 2]
     if not packages:
@@ -318,7 +319,7 @@ def print_table(results):
     print(f"{'package':<{width}}{head}")
     for kind in kinds:
         cells = "".join(
-            f"{results[n][2].get(kind, 0.0):11.2f}{'':>11}" for n in names
+            f"{results[n][2].get(kind, 0.0):>{column}.2f}" for n in names
         )
         print(f"{kind:<{width}}{cells}")
 
