@@ -64,7 +64,9 @@ from keras_dist._src.backends.torch.exact_losses import (
 from keras_dist._src.backends.torch.inputs import LocalBatchTracker
 from keras_dist._src.backends.torch.metrics_sync import (
     MetricSync,
+    is_fit_validation_call,
     reads_batch_logs,
+    validation_reads_batch_logs,
 )
 from keras_dist._src.backends.torch.runtime import TorchRuntime
 from keras_dist._src.backends.torch.step_context import (
@@ -400,6 +402,8 @@ class MirroredEngine(TorchEngine):
         self.sync_batch_norm = bool(sync_batch_norm)
         # Set by the input of FILE/OFF policies: the next batch is local.
         self.local_batches = LocalBatchTracker()
+        # Whether the validation of the `fit` in progress reads batch logs.
+        self._validation_reads = True
 
     def begin_call(self) -> None:
         """No local batch is pending at the start of a call."""
@@ -410,10 +414,18 @@ class MirroredEngine(TorchEngine):
         if name not in ("fit", "evaluate", "predict"):
             return args, kwargs
         # Decided on the caller's arguments, before rank 0's callbacks are
-        # gated: every rank must make the same collectives.
-        self.set_defer_metric_sync(
-            not reads_batch_logs(name, method, args, kwargs)
-        )
+        # gated: every rank must make the same collectives. `fit`'s
+        # validation gets `fit`'s callbacks, gated on the other ranks:
+        # its decision is made by `fit`, on the caller's.
+        if name == "fit":
+            self._validation_reads = validation_reads_batch_logs(
+                method, args, kwargs
+            )
+        if name == "evaluate" and is_fit_validation_call(method, args, kwargs):
+            reads = self._validation_reads
+        else:
+            reads = reads_batch_logs(name, method, args, kwargs)
+        self.set_defer_metric_sync(not reads)
         return inputs.prepare_arguments(self, name, method, args, kwargs)
 
     def attach(self, model) -> None:

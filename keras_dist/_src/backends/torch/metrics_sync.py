@@ -56,10 +56,40 @@ def reads_batch_logs(name, method, args, kwargs) -> bool:
         callbacks = callbacks.callbacks
     elif arguments.get("verbose", "auto") in ("auto", 1):
         return True
+    return _any_batch_hook(callbacks, hooks, quiet)
+
+
+def validation_reads_batch_logs(method, args, kwargs) -> bool:
+    """Whether `fit`'s validation (the `evaluate` Keras calls inside `fit`)
+    reads metric values after each step, decided on `fit`'s own arguments.
+
+    That `evaluate` gets `fit`'s callbacks, and on ranks other than 0 those
+    are already without the chief-only ones (`TensorBoard`, `CSVLogger`,
+    ...): deciding there would differ between ranks, and their
+    collectives would not match. So the decision is made once, from the
+    caller's callbacks of `fit` (the progress bar ignores validation steps).
+    """
+    arguments = inspect.signature(method).bind(*args, **kwargs).arguments
+    callbacks = arguments.get("callbacks") or []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    quiet = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
+    return _any_batch_hook(callbacks, _BATCH_HOOKS["evaluate"], quiet)
+
+
+def is_fit_validation_call(method, args, kwargs) -> bool:
+    """Whether an `evaluate` call is `fit`'s validation."""
+    arguments = inspect.signature(method).bind(*args, **kwargs).arguments
+    return bool(glue.is_fit_validation(arguments.get("kwargs", {})))
+
+
+def _any_batch_hook(callbacks, hooks, quiet) -> bool:
+    """Whether a callback of `callbacks` (not of the `quiet` types)
+    implements one of `hooks` or ``on_batch_*``."""
     hooks = (*hooks, "on_batch_begin", "on_batch_end")
     return any(
         _implements(callback, hook)
-        for callback in callbacks
+        for callback in keras.tree.flatten(callbacks)
         if not isinstance(callback, quiet)
         for hook in hooks
     )
