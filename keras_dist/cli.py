@@ -547,9 +547,16 @@ def main(argv=None) -> int:
         ),
     )
     node_launcher.add_arguments(launch)
-    launch.set_defaults(
-        func=lambda a: node_launcher.launch(node_launcher.config_from_args(a))
-    )
+
+    def run_launch(arguments):
+        try:
+            config = node_launcher.config_from_args(arguments)
+            config.check()
+        except ValueError as error:  # options that do not go together
+            launch.error(str(error))  # usage and the reason; exit code 2
+        return node_launcher.launch(config)
+
+    launch.set_defaults(func=run_launch)
     args = parser.parse_args(argv)
     if getattr(args, "cpu_devices", 0) and args.cpu_devices < 1:
         parser.error("--cpu-devices needs a positive integer")

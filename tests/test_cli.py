@@ -150,6 +150,17 @@ def test_launch_ps_options_and_task_environments():
     ):
         with pytest.raises(ValueError, match="--ps"):
             config(*argv).check()
+    # From the command line: a usage error (exit 2), not a traceback.
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--ps", "1"]
+        + ["--workers", "1", "--nproc-per-node", "2", "t.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "error: --ps/--workers" in proc.stderr
+    assert "Traceback" not in proc.stderr
     tasks = ps_task_environments(
         3, 2, base={"RANK": "0", "WORLD_SIZE": "4", "PATH": "/bin"}
     )
