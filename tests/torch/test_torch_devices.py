@@ -68,3 +68,13 @@ def test_dtensor_strategies_refuse_a_torch_too_old_for_their_steps():
     # Version strings only: the running torch is a GPU machine's 2.11 too.
     for version in ("2.13.0+cpu", "2.13.1", "2.14.0a0+git1234", "3.0.0"):
         check_dtensor_version(version)
+
+
+def test_tpu_devices_point_to_tpu_strategy_on_another_backend():
+    from keras_dist._src.backends.torch.runtime import create_runtime
+
+    with pytest.raises(ValueError, match="TPUStrategy on the JAX"):
+        create_runtime("mirrored", ["tpu:0", "tpu:1"])
+    with pytest.raises(ValueError, match=r"all 'gpu' or all 'cpu'") as info:
+        create_runtime("mirrored", ["gpu:0", "cpu:0"])
+    assert "TPU" not in str(info.value)

@@ -445,9 +445,15 @@ def create_runtime(kind, devices, environment=None):
         devices = default_devices()
     kinds = {d.split(":")[0] for d in devices}
     if len(kinds) != 1 or kinds - {"cpu", "gpu"}:
+        tpu = (
+            " TPUs are trained with TPUStrategy on the JAX or TensorFlow "
+            "backend (KERAS_BACKEND=jax)."
+            if "tpu" in kinds
+            else ""
+        )
         raise ValueError(
             f"The torch backend runs one process per device, all of one "
-            f"type (all 'gpu' or all 'cpu'); got {list(devices)}."
+            f"type (all 'gpu' or all 'cpu'); got {list(devices)}.{tpu}"
         )
     if kind == "one_device":
         return LocalRuntime()
