@@ -9,6 +9,7 @@ warn.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 from keras_dist._src.patching import InstancePatches
@@ -22,18 +23,66 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
     adds): those are the user's own, of unknown kind (a mean over the batch
     or a sum). Only while it is active: when the step is traced (TF) or
     for the first step (torch), since the patches are Python.
+
+    tf.distribute traces each replica's forward pass in its own thread and
+    switches threads at every collective (a synchronised BatchNorm's), so
+    the watches of a model's replicas overlap: they share one set of
+    patches, made by the first to enter and undone by the last to leave,
+    and one record (a term found by any replica is found).
     """
 
     def __init__(self, model):
         self._model = model
-        self.found = False
-        self.layers = []  # names of the layers that added them
+        self._watch = None
+
+    @property
+    def found(self) -> bool:
+        """Whether a user's own `add_loss` term was added."""
+        return self._watch is not None and self._watch.found
+
+    @property
+    def layers(self) -> list:
+        """The names of the layers that added such terms."""
+        return [] if self._watch is None else list(self._watch.layers)
 
     def __enter__(self):
-        self._patches = InstancePatches()
-        if self._model.__dict__.get("_keras_dist_add_loss_warned"):
+        model = self._model
+        if model.__dict__.get("_keras_dist_add_loss_warned"):
             return self
-        for layer in self._model._flatten_layers(include_self=True):
+        with _WATCHES_LOCK:
+            watch = _WATCHES.get(id(model))
+            if watch is None:
+                watch = _WATCHES[id(model)] = _Watch(model)
+            watch.users += 1
+        self._watch = watch
+        return self
+
+    def __exit__(self, *exc):
+        watch = self._watch
+        if watch is None:
+            return False
+        with _WATCHES_LOCK:
+            watch.users -= 1
+            if watch.users:
+                return False
+            del _WATCHES[id(self._model)]
+        watch.patches.restore()
+        return False
+
+
+_WATCHES_LOCK = threading.Lock()
+_WATCHES = {}  # id(model) -> its _Watch while one is active
+
+
+class _Watch:
+    """The patches of one model's layers that record user `add_loss` terms."""
+
+    def __init__(self, model):
+        self.users = 0
+        self.found = False
+        self.layers = []  # names of the layers that added them
+        self.patches = InstancePatches()
+        for layer in model._flatten_layers(include_self=True):
             state = {"regularizing": False}
             original_add = layer.add_loss
 
@@ -48,7 +97,7 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
                         self.layers.append(name)
                 return original_add(loss)
 
-            self._patches.set(layer, "add_loss", add_loss)
+            self.patches.set(layer, "add_loss", add_loss)
             regularizer = layer.activity_regularizer
             if regularizer is not None:
 
@@ -56,12 +105,7 @@ class watch_user_losses:  # noqa: N801 - used as a context manager
                     state["regularizing"] = True
                     return regularizer(x)
 
-                self._patches.set(layer, "activity_regularizer", regularize)
-        return self
-
-    def __exit__(self, *exc):
-        self._patches.restore()
-        return False
+                self.patches.set(layer, "activity_regularizer", regularize)
 
 
 def warn_user_losses(model, layers=()) -> None:

@@ -138,6 +138,13 @@ class NoReplicaLossScaling:
     total `loss`, weighted by `tf.shape`, is not). Here each part's mean
     weighs its share of the global batch (the shares add up to 1), so
     each global batch weighs 1 as on one device.
+
+    Those tracker updates are recorded in the scope and made when it
+    ends, after every patch is undone: the trackers are shared by the
+    replicas' threads, and an update can be a collective (under
+    `CentralStorageStrategy` a variable on the central device aggregates
+    with a ``merge_call``), where tf.distribute runs another replica's
+    thread, which would patch on top of this one's.
     """
 
     def __init__(self, model, share):
@@ -148,16 +155,15 @@ class NoReplicaLossScaling:
         self._scale, self._unscale = glue.loss_distribution_scaling()
         glue.set_loss_distribution_scaling(_identity, _identity)
         self._patches = InstancePatches()
+        self._updates = []
         compile_loss = glue.compile_loss(self._model)
         for metric in getattr(compile_loss, "metrics", None) or []:
             if metric is None:
                 continue
-            original = metric.update_state
 
-            def update_state(value, sample_weight=None, original=original):
-                return original(
-                    tf.cast(value, "float32"), sample_weight=self._share
-                )
+            def update_state(value, sample_weight=None, metric=metric):
+                del sample_weight  # the share instead
+                self._updates.append((metric, tf.cast(value, "float32")))
 
             self._patches.set(metric, "update_state", update_state)
         return self
@@ -165,6 +171,10 @@ class NoReplicaLossScaling:
     def __exit__(self, *exc):
         glue.set_loss_distribution_scaling(self._scale, self._unscale)
         self._patches.restore()
+        updates, self._updates = self._updates, []
+        if exc[0] is None:
+            for metric, value in updates:
+                metric.update_state(value, sample_weight=self._share)
         return False
 
 
