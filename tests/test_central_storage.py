@@ -119,3 +119,57 @@ def test_central_storage_by_name():
         return
     strategy = keras_dist.strategy_from_name("central-storage")
     assert isinstance(strategy, keras_dist.CentralStorageStrategy)
+
+
+def _two_outputs():
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    model = keras.Model(
+        inputs,
+        {
+            "p": keras.layers.Dense(1, name="p")(hidden),
+            "q": keras.layers.Dense(1, name="q")(hidden),
+        },
+    )
+    model.compile(optimizer="sgd", loss={"p": "mse", "q": "mse"})
+    return model
+
+
+@pytest.mark.multi_device
+@pytest.mark.skipif(BACKEND == "torch", reason="no CentralStorage on torch")
+def test_central_storage_predict_first_then_fit_two_outputs_with_validation():
+    """The order users call things in: `predict` before the first `fit`
+    (on JAX it left the state in host memory, where Keras's symbolic build
+    could not read it), then a two-output model validated in `fit` (on TF
+    the per-output loss trackers, shared by the replicas' threads, kept a
+    patch holding the training graph's tensor, and validation failed)."""
+    x = np.random.default_rng(1).normal(size=(20, 3)).astype("float32")
+    y = {"p": x[:, :1], "q": x[:, 1:2] * 2.0}
+    keras.utils.set_random_seed(5)
+    reference = _two_outputs()
+    with keras_dist.CentralStorageStrategy().scope():
+        model = _two_outputs()
+    model.set_weights(reference.get_weights())
+    results = []
+    for m in (reference, model):
+        predicted = m.predict(x, batch_size=8, verbose=0)
+        history = m.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x, y),
+        ).history
+        evaluated = m.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+        results.append((predicted, history, evaluated, m.get_weights()))
+    (p0, h0, e0, w0), (p1, h1, e1, w1) = results
+    assert sorted(h0) == sorted(h1) and "val_q_loss" in h1
+    for key in h0:
+        np.testing.assert_allclose(h1[key], h0[key], rtol=TOLERANCE)
+    for key in e0:
+        np.testing.assert_allclose(e1[key], e0[key], rtol=TOLERANCE)
+    for key in p0:
+        np.testing.assert_allclose(p1[key], p0[key], atol=TOLERANCE)
+    assert max_relative_difference(w0, w1) < TOLERANCE

@@ -78,6 +78,20 @@ def symbolic_build(model, data_batch) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
+def before_symbolic_build(model, before) -> None:
+    """Calls `before()` (no arguments) each time Keras's private
+    `_symbolic_build` runs on the `model` instance, before it (it builds
+    the model, compiled metrics and losses from symbolic inputs before a
+    first `fit`/`evaluate`)."""
+    original = model._symbolic_build
+
+    def symbolic_build(*args, **kwargs):
+        before()
+        return original(*args, **kwargs)
+
+    model.__dict__["_symbolic_build"] = symbolic_build
+
+
 def replace_maybe_symbolic_build(model, function) -> None:
     """Replaces Keras's private `_maybe_symbolic_build` (which the TF trainer
     calls before the first step) on the `model` instance with `function`

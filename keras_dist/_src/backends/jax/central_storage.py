@@ -73,9 +73,16 @@ class CentralStorageEngine(engine_lib.SPMDEngine):
         return sharding.with_memory_kind(self.memory_kind)
 
     def attach(self, model) -> None:
-        """Installs the steps that compute on the devices."""
+        """Installs the steps that compute on the devices.
+
+        Keras's symbolic build (before a first `fit` or `evaluate`, after a
+        `predict`, say) traces the model with its variables' values as
+        constants, which must be in device memory: it gets them there (the
+        call moves them back to host memory at its end).
+        """
         self.policy.check_variables(model)
         _HostStepFunctions(self, model).install()
+        glue.before_symbolic_build(model, lambda: self._place(model, "device"))
         self._models.add(model)
 
     @contextlib.contextmanager
@@ -96,19 +103,24 @@ class CentralStorageEngine(engine_lib.SPMDEngine):
         """Moves every variable of the attached models (model, optimizer
         and metric state) to host memory."""
         for model in list(self._models):
-            optimizer = getattr(model, "optimizer", None)
-            variables = list(model.variables) + list(model.metrics_variables)
-            if optimizer is not None:
-                variables += list(optimizer.variables)
-            for variable in variables:
-                value = glue.variable_value(variable)
-                if not isinstance(value, jax.Array):
-                    continue
-                sharding = self.sharding_of(value)
-                if value.sharding != sharding:
-                    glue.set_variable_value(
-                        variable, jax.device_put(value, sharding)
-                    )
+            self._place(model, self.memory_kind)
+
+    def _place(self, model, memory_kind) -> None:
+        """Moves every variable of `model` (model, optimizer and metric
+        state) to `memory_kind`, each keeping its device layout."""
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.variables) + list(model.metrics_variables)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        for variable in variables:
+            value = glue.variable_value(variable)
+            if not isinstance(value, jax.Array):
+                continue
+            sharding = self.sharding_of(value).with_memory_kind(memory_kind)
+            if value.sharding != sharding:
+                glue.set_variable_value(
+                    variable, jax.device_put(value, sharding)
+                )
 
 
 class _HostStepFunctions(engine_lib._StepFunctions):
