@@ -290,3 +290,28 @@ def test_non_chief_leaves_out_chief_only_callbacks(tmp_path):
             ]
             is given
         )
+
+
+def test_instance_patches_refuse_to_restore_over_another_patch():
+    """Two overlapping patchers of one attribute (tf.distribute's replica
+    threads): restoring the first would silently undo or leak the second."""
+    from keras_dist._src.patching import InstancePatches
+
+    class Thing:
+        def call(self):
+            return "class"
+
+    thing = Thing()
+    first, second = InstancePatches(), InstancePatches()
+    first.set(thing, "call", lambda: "first")
+    second.set(thing, "call", lambda: "second")
+    with pytest.raises(RuntimeError, match="changed while patched"):
+        first.restore()
+    # The second finds its patch gone too: said, not passed over.
+    with pytest.raises(RuntimeError, match=r"\['Thing.call'\]"):
+        second.restore()
+    # In order (last in, first out), the class's method comes back.
+    other = Thing()
+    first.set(other, "call", lambda: "first")
+    first.restore()
+    assert other.call() == "class" and "call" not in other.__dict__
