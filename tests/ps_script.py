@@ -106,14 +106,15 @@ def one_worker():
         ),
     }
     # class_weight and validation_split (the last quarter held out), as
-    # Keras's own fit does them: 0/1 labels, class 1 weighing 3.
+    # Keras's own fit does them: 0/1 labels, class 1 weighing 3; batches of
+    # 10, so each epoch ends with a partial batch (of 8).
     labels = (x.sum(axis=1, keepdims=True) > 2).astype("float32")
     with strategy.scope():
         weighted = build()
     reference = build()
     reference.set_weights(weighted.get_weights())
     kwargs = dict(
-        batch_size=BATCH,
+        batch_size=10,
         epochs=2,
         shuffle=False,
         class_weight={0: 1.0, 1: 3.0},

@@ -292,7 +292,11 @@ class _TrainInput:
                 dataset = dataset.shuffle(
                     shard_size, reshuffle_each_iteration=True
                 )
-            dataset = dataset.repeat().batch(batch_size)
+            # Batched, then repeated: every pass over this worker's part
+            # ends with its own last (partial) batch, so one worker's
+            # epoch is one device's (`steps` = ceil(count / batch_size)):
+            # no batch runs across an epoch's end.
+            dataset = dataset.batch(batch_size).repeat()
             return dataset if weigh is None else dataset.map(weigh)
 
         self.source = dataset_fn
