@@ -249,12 +249,17 @@ class StepFunctions(ModelSteps, UserSteps):
         else:
             if any(v.trainable for v in model.trainable_weights):
                 device = self.engine.device
+                # Gradients as views of DDP's all-reduce buckets: no copy
+                # between them each step (nor the memory of a second
+                # gradient); `zero_grad` sets them to None, which DDP
+                # supports, and the values are the same.
                 self.ddp = torch.nn.parallel.DistributedDataParallel(
                     model,
                     device_ids=[device.index]
                     if device.type == "cuda"
                     else None,
                     init_sync=False,
+                    gradient_as_bucket_view=True,
                 )
             step = self.train_step
 
