@@ -249,9 +249,10 @@ class StepFunctions(ModelSteps, UserSteps):
         else:
             if any(v.trainable for v in model.trainable_weights):
                 device = self.engine.device
-                # Gradients as views of DDP's all-reduce buckets: no copy
-                # between them each step (nor the memory of a second
-                # gradient); `zero_grad` sets them to None, which DDP
+                # Gradients as views of DDP's all-reduce buckets: DDP
+                # copies each new gradient into its bucket and the reduced
+                # bucket is the gradient (no copy back out, no second
+                # gradient kept); `zero_grad` sets them to None, which DDP
                 # supports, and the values are the same.
                 self.ddp = torch.nn.parallel.DistributedDataParallel(
                     model,
