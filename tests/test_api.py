@@ -162,6 +162,22 @@ def test_simulated_devices_requested_too_late():
         keras_dist.simulate_cpu_devices(0)
 
 
+def test_too_late_devices_say_what_to_do_with_and_without_the_variable(
+    monkeypatch,
+):
+    from keras_dist._src.devices import too_late_to_simulate
+
+    monkeypatch.delenv("KERAS_DIST_CPU_DEVICES", raising=False)
+    assert "simulate_cpu_devices(3) (or set KERAS_DIST_CPU_DEVICES)" in (
+        too_late_to_simulate("JAX", 3)
+    )
+    # Set, yet too late: setting it is not the fix, importing earlier is.
+    monkeypatch.setenv("KERAS_DIST_CPU_DEVICES", "3")
+    hint = too_late_to_simulate("JAX", 3)
+    assert "KERAS_DIST_CPU_DEVICES=3 is set" in hint
+    assert "import keras_dist before anything uses JAX" in hint
+
+
 @pytest.mark.slow  # a fresh process: 3-5 s
 @needs_multi
 def test_simulated_devices_from_a_fresh_process(tmp_path):

@@ -14,6 +14,24 @@ _DEVICE_RE = re.compile(
 ENV_CPU_DEVICES = "KERAS_DIST_CPU_DEVICES"
 
 
+def too_late_to_simulate(backend: str, count: int) -> str:
+    """What to do when `count` simulated CPU devices come after `backend`
+    started its devices (the end of a `DevicesAlreadyInitializedError`)."""
+    value = os.environ.get(ENV_CPU_DEVICES)
+    if value:
+        return (
+            f"{ENV_CPU_DEVICES}={value} is set, but it is applied when "
+            f"keras_dist is imported, and {backend} had started before: "
+            f"import keras_dist before anything uses {backend} (an array, "
+            "a device list, a Keras model)."
+        )
+    return (
+        f"Call keras_dist.simulate_cpu_devices({count}) (or set "
+        f"{ENV_CPU_DEVICES}) before any {backend} operation, e.g. right "
+        "after `import keras_dist`."
+    )
+
+
 def normalize_device(name: str) -> str:
     """Returns ``"type:index"`` for a device name such as ``"GPU:1"``.
 

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 
+from keras_dist._src.devices import too_late_to_simulate
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
 )
@@ -66,9 +67,7 @@ def simulate_cpu_devices(count: int) -> None:
             return
         raise DevicesAlreadyInitializedError(
             f"Cannot simulate {count} CPU devices: JAX has already started "
-            f"with {current}. Call keras_dist.simulate_cpu_devices({count}) "
-            "(or set KERAS_DIST_CPU_DEVICES) before any JAX computation, "
-            "e.g. right after `import keras_dist`."
+            f"with {current}. {too_late_to_simulate('JAX', count)}"
         )
     jax.config.update("jax_num_cpu_devices", int(count))
     # Keep child processes (and XLA itself) consistent with the request.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from keras_dist._src.devices import normalize_device
+from keras_dist._src.devices import normalize_device, too_late_to_simulate
 from keras_dist._src.errors import (
     DevicesAlreadyInitializedError,
 )
@@ -59,10 +59,8 @@ def simulate_cpu_devices(count: int) -> None:
             return
         raise DevicesAlreadyInitializedError(
             f"Cannot simulate {count} CPU devices: TensorFlow has already "
-            f"initialised its devices ({current} CPU). Call "
-            f"keras_dist.simulate_cpu_devices({count}) (or set "
-            "KERAS_DIST_CPU_DEVICES) before any TensorFlow operation, e.g. "
-            "right after `import keras_dist`."
+            f"initialised its devices ({current} CPU). "
+            f"{too_late_to_simulate('TensorFlow', count)}"
         ) from error
 
 
