@@ -217,6 +217,48 @@ def test_killed_worker_stops_the_job(tmp_path):
     assert seconds < 200
 
 
+CHIEF_SAVES = """
+import os, sys
+import keras, numpy as np
+import keras_dist
+
+strategy = keras_dist.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.arange(32, dtype="float32").reshape(8, 4) / 32
+model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+if strategy.is_chief:  # torch's `rank == 0` idiom
+    model.save(os.path.join(sys.argv[1], "chief.keras"))
+loss = model.evaluate(x, x[:, :1], batch_size=4, verbose=0)
+model.save_weights(os.path.join(sys.argv[1], "all.weights.h5"))  # every one
+print(f"EVALUATED {loss:.6f}", flush=True)
+"""
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="tests/torch (features)")
+def test_saving_on_the_chief_alone_lets_the_job_go_on(tmp_path):
+    # A save on the chief alone exchanges nothing (its outcome goes to the
+    # job's key-value store), so the workers' next collectives still pair.
+    script = tmp_path / "chief_saves.py"
+    script.write_text(CHIEF_SAVES)
+    os.environ["KERAS_DIST_TIMEOUT"] = "60"
+    try:
+        proc, _ = _launch(["--nproc-per-node", 2, script, tmp_path], tmp_path)
+    finally:
+        del os.environ["KERAS_DIST_TIMEOUT"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = {
+        line.split("EVALUATED ")[1]
+        for line in proc.stdout.splitlines()
+        if "EVALUATED" in line
+    }
+    assert len(losses) == 1  # both workers, one value
+    assert proc.stdout.count("EVALUATED") == 2
+    assert keras.saving.load_model(tmp_path / "chief.keras") is not None
+    assert (tmp_path / "all.weights.h5").is_file()
+
+
 HUNG = KILLED.replace(
     "os.kill(os.getpid(), signal.SIGKILL)", "import time; time.sleep(3600)"
 )

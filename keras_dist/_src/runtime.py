@@ -169,6 +169,24 @@ class HostRuntime:
     def shutdown(self) -> None:
         """Leaves the job (nothing to do for one process)."""
 
+    # -- the job's key-value store: no collective ------------------------------
+    @property
+    def has_key_values(self) -> bool:
+        """Whether `publish` and `wait_for` work in this job."""
+        return False
+
+    def publish(self, key: str, text: str) -> None:
+        """Sets `key` to `text` (non-empty) in the job's key-value store.
+
+        Not a collective: no other process needs to call anything.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no key store")
+
+    def wait_for(self, key: str, seconds: float) -> str | None:
+        """The text some process published under `key`, once it has; None
+        if nothing was published within `seconds`."""
+        raise NotImplementedError(f"{type(self).__name__} has no key store")
+
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.world_size:
             raise ValueError(

@@ -171,6 +171,16 @@ loaded = keras.saving.load_model(os.path.join(out, "model.keras"))
 result["save"] = rel(model.get_weights(), loaded.get_weights())
 loaded.load_weights(os.path.join(out, "model.weights.h5"))
 result["save_weights"] = rel(model.get_weights(), loaded.get_weights())
+# A write that fails on the chief fails on every rank, with its reason.
+try:
+    model.save(os.path.join(out, "no_such_folder", "m.keras"))
+except Exception as error:
+    result["failed_save"] = f"{type(error).__name__}: {error}"
+# Saving on the chief alone (torch's `rank == 0` idiom), then more
+# collectives: the job goes on.
+if strategy.is_chief:
+    model.save(os.path.join(out, "chief.keras"))
+result["after_chief_save"] = model.evaluate(x, y, batch_size=8, verbose=0)
 
 
 # An exception caught around fit does not end the job.
@@ -218,6 +228,10 @@ def test_torch_training_features(torch_parts):
         assert chief[case]["generators_as_plain_keras"], case
         # Every rank drew what the chief drew.
         assert ranks[1][case + "_generators"] == chief[case + "_generators"]
+    assert (out / "chief.keras").is_file()
+    assert ranks[0]["after_chief_save"] == ranks[1]["after_chief_save"]
+    assert "failed on the chief" in ranks[1]["failed_save"]
+    assert "no_such_folder" in ranks[0]["failed_save"]
     for result in ranks:
         assert result["save"] == 0.0 and result["save_weights"] == 0.0
         assert result["caught"] == "boom"

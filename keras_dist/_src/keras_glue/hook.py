@@ -25,6 +25,7 @@ clear error (it would not train replicated). If a Keras release moves
 from __future__ import annotations
 
 import functools
+import itertools
 
 from keras_dist._src.context import current_strategy
 from keras_dist._src.core.inputs import check_call_inputs
@@ -158,16 +159,27 @@ def reads_collectively(strategy) -> bool:
     )
 
 
+# This process's file writes outside fit/evaluate/predict, numbered: the
+# n-th on every process pairs with the chief's n-th (`_chief_writes`).
+_WRITES = itertools.count(1)
+
+
 def _chief_writes(method, strategy, name):
     """Wraps a file-writing method so that every process may call it.
 
     Outside `fit`/`evaluate`/`predict` (what a user writes after training,
-    on every process): the chief writes, then every process agrees on the
-    outcome (one broadcast, which is also the barrier), so every process
-    returns once the file is complete, and all raise if the chief's write
-    failed. Inside such a call (a callback: some run on the chief only,
-    e.g. `ModelCheckpoint` on torch) no collective is made, since the other
-    processes may not be calling: the chief writes and the others skip.
+    on every process): the chief writes and publishes the outcome in the
+    job's key-value store, and every other process waits for it there, so
+    every process returns once the file is complete, and all raise if the
+    chief's write failed. That is no collective: a save on the chief alone
+    (``if strategy.is_chief: model.save(...)``, torch's ``rank == 0``
+    idiom) works too. A process's n-th such write (of any model) pairs
+    with the chief's n-th (the paths may differ: tf.distribute's tutorial
+    has the other workers write elsewhere). Without a key-value store the
+    outcome is broadcast (every process must call). Inside such a call (a
+    callback: some run on the chief only, e.g. `ModelCheckpoint` on torch)
+    nothing is exchanged, since the other processes may not be calling:
+    the chief writes and the others skip.
 
     Where variables are split across processes, reading them is a
     collective: every process then runs the same save (the callbacks that
@@ -195,6 +207,38 @@ def _chief_writes(method, strategy, name):
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
+    def published(args, kwargs):
+        """The chief's write, its outcome published; the others wait."""
+        from keras_dist._src.cluster.supervision import liveness_timeout
+
+        runtime = strategy.runtime
+        bound = inspect.signature(method).bind(*args, **kwargs)
+        path = os.fspath(bound.arguments["filepath"])
+        key = f"keras_dist/write/{next(_WRITES)}"
+        if runtime.is_chief:
+            try:
+                result = method(*args, **kwargs)
+            except Exception as error:
+                runtime.publish(key, f"failed: {type(error).__name__}: {error}")
+                raise
+            runtime.publish(key, "ok")
+            return result
+        seconds = liveness_timeout()
+        outcome = runtime.wait_for(key, seconds)
+        if outcome is None:
+            raise KerasDistError(
+                f"`model.{name}({path!r})` waited {seconds} s for the chief "
+                "(process 0) to write that file, and it did not. Call it "
+                "on every process, or on the chief alone (`if "
+                "strategy.is_chief:`), not on the other processes alone."
+            )
+        if outcome != "ok":
+            raise KerasDistError(
+                f"`model.{name}` failed on the chief (process 0), which "
+                f"writes the file: {outcome[len('failed: ') :]}"
+            )
+        return None
+
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         runtime = strategy.runtime
@@ -209,6 +253,8 @@ def _chief_writes(method, strategy, name):
             if collective:
                 elsewhere(args, kwargs)
             return None
+        if not collective and runtime.has_key_values:
+            return published(args, kwargs)
         result, error = None, None
         try:
             if runtime.is_chief:

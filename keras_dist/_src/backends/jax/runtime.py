@@ -61,6 +61,30 @@ class JaxRuntime(HostRuntime):
         """Leaves the job (`jax.distributed.shutdown`)."""
         jax.distributed.shutdown()
 
+    @staticmethod
+    def _client():
+        from jax._src import distributed
+
+        return distributed.global_state.client
+
+    @property
+    def has_key_values(self) -> bool:
+        """Whether `jax.distributed`'s coordination service is joined."""
+        return self._client() is not None
+
+    def publish(self, key: str, text: str) -> None:
+        """Sets `key` in the coordination service's key-value store."""
+        self._client().key_value_set(key, text)
+
+    def wait_for(self, key: str, seconds: float) -> str | None:
+        """Waits for `key` in the coordination service's store."""
+        try:
+            return self._client().blocking_key_value_get(
+                key, int(seconds * 1000)
+            )
+        except Exception:  # noqa: BLE001 - JAX raises its runtime's error type
+            return None
+
 
 def _initialize(environment: ClusterEnvironment) -> None:
     """Joins the JAX job (once), before JAX's backends start."""

@@ -51,6 +51,24 @@ class _StoreRuntime(HostRuntime):
         number = next(self._channels)
         return _StoreRuntime(self.environment, f"{self._prefix}/{name}{number}")
 
+    @property
+    def has_key_values(self) -> bool:
+        """The coordination service's store is this runtime's medium."""
+        return True
+
+    def publish(self, key: str, text: str) -> None:
+        """Sets `key` in the coordination service's store."""
+        _context().set_config_key_value(key, text)
+
+    def wait_for(self, key: str, seconds: float) -> str | None:
+        """Waits for `key` in the coordination service's store."""
+        try:
+            return _context().get_config_key_value(
+                key, timeout_in_ms=int(seconds * 1000)
+            )
+        except Exception:  # noqa: BLE001 - TF raises its own error types
+            return None
+
     def _key(self, sequence: int, rank: int) -> str:
         return f"{self._prefix}/{sequence}/{rank}"
 

@@ -397,6 +397,31 @@ class TorchRuntime(HostRuntime):
         super().__init__(job.environment)
         self.job = job
         self._group = dist.new_group(backend="gloo")
+        self._store = None  # a client of the rendezvous store, when used
+
+    @property
+    def has_key_values(self) -> bool:
+        """Whether the job's rendezvous store is reachable (the job was
+        started with a coordinator address)."""
+        if self._store is None:
+            self._store = self.job._client()
+        return self._store is not None
+
+    def publish(self, key: str, text: str) -> None:
+        """Sets `key` in the rendezvous store."""
+        if not self.has_key_values:
+            super().publish(key, text)
+        self._store.set(key, text.encode())
+
+    def wait_for(self, key: str, seconds: float) -> str | None:
+        """Waits for `key` in the rendezvous store."""
+        if not self.has_key_values:
+            return super().wait_for(key, seconds)
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=seconds))
+        except (RuntimeError, dist.DistError):  # the wait timed out
+            return None
+        return self._store.get(key).decode()
 
     def _barrier(self) -> None:
         dist.barrier(group=self._group)
