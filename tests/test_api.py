@@ -88,6 +88,16 @@ def test_device_that_does_not_exist():
         keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:0"])
 
 
+def test_missing_gpus_point_to_the_builds_and_visibility():
+    from keras_dist._src.devices import check_devices_exist
+
+    with pytest.raises(ValueError, match=r"sees no GPU: .*CUDA build"):
+        check_devices_exist(["gpu:0"], ["cpu:0"])
+    with pytest.raises(ValueError) as info:  # a CPU index past the end
+        check_devices_exist(["cpu:3"], ["cpu:0"])
+    assert "sees no" not in str(info.value)
+
+
 @needs_multi
 def test_nested_scopes_of_different_strategies():
     a = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])

@@ -67,10 +67,22 @@ def check_devices_exist(requested, available) -> list[str]:
         raise ValueError(f"`devices` lists a device twice: {requested}.")
     missing = [d for d in requested if d not in available]
     if missing:
+        kinds = {d.split(":")[0] for d in missing}
+        seen = {a.split(":")[0] for a in available}
+        unseen = sorted(k for k in kinds if k not in seen and k != "cpu")
+        hint = (
+            f" This process sees no {' or '.join(k.upper() for k in unseen)}"
+            ": check that the backend's build for it is installed (jax[cuda12]"
+            " or jax[tpu], a CUDA build of torch, tensorflow[and-cuda]) and "
+            "that the device is visible here (`nvidia-smi`, "
+            "CUDA_VISIBLE_DEVICES), or run `keras-dist doctor`."
+            if unseen
+            else ""
+        )
         raise ValueError(
             f"Device(s) {missing} do not exist. Available devices: "
-            f"{list(available)}. To simulate N CPU devices for development, "
-            f"call keras_dist.simulate_cpu_devices(N) (or set "
+            f"{list(available)}.{hint} To simulate N CPU devices for "
+            f"development, call keras_dist.simulate_cpu_devices(N) (or set "
             f"{ENV_CPU_DEVICES}=N) before the backend starts."
         )
     return requested
