@@ -82,6 +82,14 @@ out = {
 }
 for i in range(20):   # many rounds: keys and sequence numbers stay in step
     assert rt.all_reduce(i, "max") == i
+# The key-value store: the other worker publishes, this one waits (no
+# collective); a key nobody publishes times out as None.
+out["store"] = rt.has_key_values
+if rt.has_key_values:
+    if rank == 1:
+        rt.publish("test/from1", "hello from 1")
+    out["waited"] = rt.wait_for("test/from1", 60)
+    out["missing"] = rt.wait_for(f"test/none{rank}", 0.5)
 rt.barrier()
 
 
@@ -141,3 +149,6 @@ def test_runtime_collectives_with_two_processes(tmp_path):
             {"n": 20, "s": "workerworker"},
         ]
         assert out["big"] == [2 * 2**40 + 1] * 3  # int64 exact
+        assert out["store"]  # every backend's job has one
+        assert out["waited"] == "hello from 1"
+        assert out["missing"] is None
