@@ -78,6 +78,17 @@ def symbolic_build(model, data_batch) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
+def symbolic_build_pending(model) -> bool:
+    """Whether Keras's `_symbolic_build` would build anything now (its own
+    test: a layer, the compiled metrics or the compiled loss unbuilt)."""
+    if not all(layer.built for layer in model._flatten_layers()):
+        return True
+    return any(
+        part is not None and not part.built
+        for part in (compile_metrics(model), compile_loss(model))
+    )
+
+
 def before_symbolic_build(model, before) -> None:
     """Calls `before()` (no arguments) each time Keras's private
     `_symbolic_build` runs on the `model` instance, before it (it builds

@@ -82,7 +82,12 @@ class CentralStorageEngine(engine_lib.SPMDEngine):
         """
         self.policy.check_variables(model)
         _HostStepFunctions(self, model).install()
-        glue.before_symbolic_build(model, lambda: self._place(model, "device"))
+
+        def to_device_if_building():
+            if glue.symbolic_build_pending(model):
+                self._place(model, "device")
+
+        glue.before_symbolic_build(model, to_device_if_building)
         self._models.add(model)
 
     @contextlib.contextmanager
