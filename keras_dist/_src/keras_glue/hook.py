@@ -207,6 +207,13 @@ def _chief_writes(method, strategy, name):
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
+    def chief_failed(reason):
+        """The error every other process raises for the chief's failure."""
+        return KerasDistError(
+            f"`model.{name}` failed on the chief (process 0), which writes "
+            f"the file: {reason}"
+        )
+
     def published(args, kwargs):
         """The chief's write, its outcome published; the others wait."""
         from keras_dist._src.cluster.supervision import liveness_timeout
@@ -233,10 +240,7 @@ def _chief_writes(method, strategy, name):
                 "strategy.is_chief:`), not on the other processes alone."
             )
         if outcome != "ok":
-            raise KerasDistError(
-                f"`model.{name}` failed on the chief (process 0), which "
-                f"writes the file: {outcome[len('failed: ') :]}"
-            )
+            raise chief_failed(outcome[len("failed: ") :])
         return None
 
     @functools.wraps(method)
@@ -272,10 +276,7 @@ def _chief_writes(method, strategy, name):
         if error is not None:
             raise error
         if failure:
-            raise KerasDistError(
-                f"`model.{name}` failed on the chief (process 0), which "
-                f"writes the file: {failure}"
-            )
+            raise chief_failed(failure)
         return result
 
     wrapper.__keras_dist_wrapped__ = True
