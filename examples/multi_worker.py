@@ -6,7 +6,8 @@
 Each worker runs this script; `MultiWorkerMirroredStrategy` reads where it
 stands from the launcher's variables. Workers seed differently on purpose:
 the chief's initial weights are broadcast. `--out DIR` makes the chief save
-its final weights and logs there (as `weights.npz` and `history.json`).
+its final weights, logs and predictions there (`weights.npz`,
+`history.json`, `predictions.npy`).
 `--strategy model_parallel --mesh 2,2` lays the Dense layers out over a
 ("batch", "model") mesh spanning every worker's devices instead;
 `--strategy sharded` shards every variable over the workers (ZeRO-3).
@@ -25,6 +26,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--out", default=None)
+parser.add_argument(
+    "--dropout", type=float, default=0.0, help="a Dropout layer's rate"
+)
 parser.add_argument("--init", default=None, help="initial weights (.npz)")
 parser.add_argument(
     "--strategy",
@@ -55,13 +59,10 @@ x = rng.normal(size=(200, 8)).astype("float32")
 y = (x[:, :2].sum(axis=1) > 0).astype("int32")
 
 with strategy.scope():
-    model = keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dense(2),
-        ]
-    )
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="tanh")]
+    if args.dropout:  # seeded: every worker draws one device's masks
+        layers.append(keras.layers.Dropout(args.dropout, seed=7))
+    model = keras.Sequential([*layers, keras.layers.Dense(2)])
     if args.init:
         init = np.load(args.init)
         model.set_weights([init[k] for k in init.files])
@@ -87,6 +88,8 @@ history = model.fit(
     callbacks=callbacks,
 )
 loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
+# Every worker gets every row, in the input's order.
+predictions = model.predict(x, batch_size=64, verbose=0)
 # Every worker reads the weights: a variable sharded over workers is
 # gathered from all of them (a collective).
 weights = model.get_weights()
@@ -104,6 +107,7 @@ if strategy.is_chief:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         np.savez(os.path.join(args.out, "weights.npz"), *weights)
+        np.save(os.path.join(args.out, "predictions.npy"), predictions)
         with open(os.path.join(args.out, "history.json"), "w") as f:
             json.dump(
                 {"history": history.history, "evaluate": [loss, accuracy]}, f

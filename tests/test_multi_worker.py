@@ -22,14 +22,11 @@ EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
 pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 
 
-def _build():
-    return keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dense(2),
-        ]
-    )
+def _build(dropout=0.0):
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="tanh")]
+    if dropout:  # as in examples/multi_worker.py
+        layers.append(keras.layers.Dropout(dropout, seed=7))
+    return keras.Sequential([*layers, keras.layers.Dense(2)])
 
 
 def _data():
@@ -59,8 +56,13 @@ def _launch(args, tmp_path, timeout=300):
     "devices_per_worker", [1] if BACKEND == "torch" else [1, 2]
 )
 def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
+    # 200 samples / 30: the last batch (20) does not divide by 4 replicas.
+    # With 2 devices a worker, batches of 50 (all full, parts of 13 and
+    # 12) and Dropout: each replica must hold its own place's part (its
+    # masks are one device's rows there), on TF's native rebatching too.
+    batch_size, dropout = (30, 0.0) if devices_per_worker == 1 else (50, 0.3)
     keras.utils.set_random_seed(7)
-    model = _build()
+    model = _build(dropout)
     np.savez(tmp_path / "init.npz", *model.get_weights())
     model.compile(
         optimizer=keras.optimizers.SGD(0.1),
@@ -68,14 +70,17 @@ def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
         metrics=["accuracy"],
     )
     x, y = _data()
-    # 200 samples / 30: the last batch (20) does not divide by 4 replicas.
-    history = model.fit(x, y, batch_size=30, epochs=3, shuffle=False, verbose=0)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=3, shuffle=False, verbose=0
+    )
     expected_eval = model.evaluate(x, y, batch_size=50, verbose=0)
+    expected_predictions = model.predict(x, batch_size=64, verbose=0)
 
     args = ["--nproc-per-node", 2]
     if devices_per_worker > 1:
         args += ["--cpu-devices-per-process", devices_per_worker]
-    args += [EXAMPLE, "--init", tmp_path / "init.npz", "--batch-size", 30]
+    args += [EXAMPLE, "--init", tmp_path / "init.npz"]
+    args += ["--batch-size", batch_size, "--dropout", dropout]
     args += ["--out", tmp_path / "out"]
     proc, _ = _launch(args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -94,6 +99,12 @@ def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
         logs["history"]["loss"], history.history["loss"], rtol=1e-5
     )
     np.testing.assert_allclose(logs["evaluate"], expected_eval, rtol=1e-5)
+    # Every row, in order (64 over 4 replicas: Keras's TF predict put them
+    # back in tf.distribute's order, not keras_dist's).
+    predictions = np.load(tmp_path / "out" / "predictions.npy")
+    np.testing.assert_allclose(
+        predictions, expected_predictions, rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="torch: tests/torch; TF: refused")

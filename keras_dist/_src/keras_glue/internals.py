@@ -152,6 +152,16 @@ def tensorflow_trainer():
     return TensorFlowTrainer
 
 
+def tensorflow_predict_helpers():
+    """Keras's private TF predict pieces: `concat` (of per-replica or
+    per-step outputs: sparse, scalar or dense) and
+    `TensorFlowTrainer._autoconvert_optionals` (an empty `tf.Optional` in
+    the data read as None), for a predict function built like Keras's."""
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer.concat, trainer.TensorFlowTrainer._autoconvert_optionals
+
+
 def torch_trainer():
     """Keras's private `TorchTrainer` (`keras.src.backend.torch`), imported
     here (it imports torch): its steps tell whether a model overrides

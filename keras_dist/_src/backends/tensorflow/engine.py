@@ -123,17 +123,8 @@ class ReplicaEngine(StrategyEngine):
         def make_predict_function(force=False):
             if model.predict_function is not None and not force:
                 return model.predict_function
-            trainer.make_predict_function(model, force=True)
-            inner = model.predict_function
-
-            def predict_function(data):
-                # `predict_on_batch` passes `[(x,)]` with the whole batch,
-                # which tf.distribute would hand to every replica (N times
-                # the rows): split it like a global batch first.
-                return inner([engine._distribute_batch(d) for d in data])
-
-            model.predict_function = predict_function
-            return predict_function
+            model.predict_function = _predict_function(engine, model)
+            return model.predict_function
 
         def maybe_symbolic_build(iterator=None, data_batch=None):
             # Keras builds metrics and optimizer variables here, from shapes
@@ -223,6 +214,61 @@ class ReplicaEngine(StrategyEngine):
                 parts[ctx.replica_id_in_sync_group],
             )
         )
+
+
+def _predict_function(engine, model):
+    """Keras's TF predict function, with the replicas' outputs put back in
+    the order of the input's rows.
+
+    keras_dist gives replica ``i`` (counted over all workers) the ``i``-th
+    part of each global batch, so a gather in replica order is that order.
+    Keras's own predict reorders a multi-worker job's outputs for
+    tf.distribute's split of the input instead, which permuted the rows of
+    an uneven batch (2 workers × 2 replicas, 11 rows in batches of 3:
+    ``0 2 1 3 5 4 ...``). `predict_on_batch` passes ``[(x,)]`` with the
+    whole batch, which tf.distribute would hand to every replica (N times
+    the rows): it is split like a global batch first.
+    """
+    strategy = engine.tf_strategy
+    concat, autoconvert_optionals = glue.tensorflow_predict_helpers()
+    multi_worker = strategy.extended._in_multi_worker_mode()
+
+    def one_step(data):
+        return model.predict_step(data)
+
+    if not model.run_eagerly and model.jit_compile:
+        one_step = tf.function(
+            one_step, reduce_retracing=True, jit_compile=True
+        )
+    one_step = autoconvert_optionals(model, one_step)
+
+    def in_order(value):
+        if multi_worker:  # every worker gets every row
+            return strategy.gather(value, axis=0)
+        parts = strategy.experimental_local_results(value)
+        return concat(list(parts))
+
+    def distributed(data):
+        outputs = strategy.run(one_step, args=(data,))
+        return tree.map_structure(in_order, outputs)
+
+    def steps(data):
+        outputs = distributed(data[0])
+        for single_step_data in data[1:]:
+            outputs = tree.map_structure(
+                lambda a, b: concat([a, b]),
+                outputs,
+                distributed(single_step_data),
+            )
+        return outputs
+
+    if not model.run_eagerly:
+        steps = tf.function(steps, reduce_retracing=True)
+
+    def predict_function(data):
+        return steps([engine._distribute_batch(d) for d in data])
+
+    return predict_function
 
 
 def _split_single_batches(engine, model, function):

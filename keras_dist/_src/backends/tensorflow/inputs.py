@@ -47,14 +47,16 @@ def dataset_element(args):
 def distribute_global_batches(strategy, dataset, options=None):
     """Splits each global batch of `dataset` across replicas, exactly.
 
-    Where tf.distribute can rebatch the dataset (its batch size is found in
-    the dataset's graph: arrays, `tf.data` batched with `.batch`), its own
-    fast rebatching splits every global batch; in `fit`/`evaluate` a
-    per-sample copy of the global batch size travels with the data, so the
-    exact step needs no collective to learn it. Elsewhere (input from
-    generators and PyDatasets) tf.distribute would give each replica a whole
-    batch, making the global batch N times too large: keras_dist then splits
-    every batch itself like `numpy.array_split`, in sample order, and hands
+    Where tf.distribute can rebatch the dataset in replica order (one
+    worker, or one replica a worker; the batch size is found in the
+    dataset's graph: arrays, `tf.data` batched with `.batch`), its own fast
+    rebatching splits every global batch; in `fit`/`evaluate` a per-sample
+    copy of the global batch size travels with the data, so the exact step
+    needs no collective to learn it. Elsewhere (input from generators and
+    PyDatasets, where tf.distribute would give each replica a whole batch,
+    making the global batch N times too large; workers of several
+    replicas, to which it deals the parts in turn) keras_dist splits every
+    batch itself like `numpy.array_split`, in sample order, and hands
     replicas their parts in turn through `distribute_datasets_from_function`.
     """
     replicas = strategy.num_replicas_in_sync
@@ -64,7 +66,18 @@ def distribute_global_batches(strategy, dataset, options=None):
         "_native_distribute",
         tf.distribute.MirroredStrategy.experimental_distribute_dataset,
     )
-    if int(tfdata_distribute.compute_batch_size(dataset)) >= 0:
+    # tf.distribute's multi-worker rebatching deals a global batch's parts
+    # to the workers in turn (worker 0 gets parts 0 and 2 of 4, worker 1
+    # parts 1 and 3), so a replica's part is not the one of its place:
+    # predict's rows came back permuted and Dropout's masks were another
+    # replica's. Where a worker has several replicas, keras_dist splits
+    # every batch itself.
+    extended = strategy.extended
+    native_order = (
+        not extended._in_multi_worker_mode()
+        or len(extended.worker_devices) == 1
+    )
+    if native_order and int(tfdata_distribute.compute_batch_size(dataset)) >= 0:
         if with_count:
 
             def add_count(*batch):
