@@ -176,16 +176,42 @@ def test_partial_writes_are_invisible(tmp_path):
     checkpoint.save(model, root, step=5)
     # What a crash leaves: a temporary directory, and (on a filesystem
     # without atomic rename) a final name without its COMMIT marker.
-    (root / ".ckpt-9.tmp-0123abcd").mkdir()
-    (root / ".ckpt-9.tmp-0123abcd" / "arrays.npz").write_bytes(b"PK")
     checkpoint.save(model, root, step=8)
     os.remove(root / "ckpt-8" / "COMMIT")
+    (root / ".ckpt-9.tmp-0123abcd").mkdir()
+    (root / ".ckpt-9.tmp-0123abcd" / "arrays.npz").write_bytes(b"PK")
     with pytest.warns(UserWarning) as record:
         assert checkpoint.latest(root).endswith("ckpt-5")
     text = " ".join(str(w.message) for w in record)
     assert ".ckpt-9.tmp-0123abcd" in text and "ckpt-8" in text
     with pytest.warns(UserWarning):
         assert checkpoint.restore(build(), root)["step"] == 5
+
+
+def test_save_replaces_only_what_it_wrote(tmp_path):
+    from keras_dist._src.checkpoint import shards
+
+    model = trained(tmp_path)
+    root = tmp_path / "ck"
+    # A user's own directory under a checkpoint's name is refused, whole
+    # (one file) or sharded, and left as it was.
+    (root / "ckpt-5").mkdir(parents=True)
+    (root / "ckpt-5" / "my_notes.txt").write_text("mine")
+    with pytest.raises(fmt.CheckpointError, match="my_notes.txt"):
+        checkpoint.save(model, root, step=5)
+    with pytest.raises(fmt.CheckpointError, match="not a keras_dist"):
+        shards.begin(str(root), 5)
+    assert os.listdir(root / "ckpt-5") == ["my_notes.txt"]
+    assert sorted(os.listdir(root)) == ["ckpt-5"]
+    # Its own checkpoint, even with its COMMIT gone (an interrupted
+    # removal), is replaced; what an interrupted write left is removed.
+    checkpoint.save(model, root, step=6)
+    os.remove(root / "ckpt-6" / "COMMIT")
+    (root / ".ckpt-9.tmp-0123abcd").mkdir()
+    (root / "notes.txt").write_text("mine too")
+    checkpoint.save(model, root, step=6)
+    assert sorted(os.listdir(root)) == ["ckpt-5", "ckpt-6", "notes.txt"]
+    assert checkpoint.latest(root).endswith("ckpt-6")
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

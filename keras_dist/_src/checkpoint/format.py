@@ -90,6 +90,7 @@ def write(root: str, step: int, arrays: dict, metadata: dict) -> str:
     token = secrets.token_hex(4)
     temp = os.path.join(root, f".{PREFIX}{step}.tmp-{token}")
     final = os.path.join(root, f"{PREFIX}{step}")
+    check_replaceable(final)  # before writing anything
     os.mkdir(temp)
     try:
         index, stored = encode(arrays)
@@ -158,8 +159,40 @@ class HashingWriter:
         return {"sha256": self._hash.hexdigest(), "bytes": self._size}
 
 
+def check_replaceable(final: str) -> None:
+    """Raises unless `final` is free or holds a keras_dist checkpoint
+    (complete, or one whose removal was interrupted): a save replaces only
+    what keras_dist wrote.
+
+    Raises:
+        CheckpointError: naming what is there and what to do.
+    """
+    if not os.path.lexists(final):
+        return
+    if os.path.isdir(final) and not os.path.islink(final):
+        for name in (COMMIT_FILE, METADATA_FILE):
+            try:
+                record = json.loads(_read_small(final, name))
+            except (CheckpointError, OSError, ValueError):
+                continue
+            if isinstance(record, dict) and record.get("format") == FORMAT_NAME:
+                return
+        held = sorted(os.listdir(final))
+        what = (
+            f"a directory holding {held[:5]}" if held else "an empty directory"
+        )
+    else:
+        what = "a file or link"
+    raise CheckpointError(
+        f"{final} exists and is {what}, not a keras_dist checkpoint: "
+        "keras_dist replaces only checkpoints it wrote. Move it away, or "
+        "save into another directory or under another step."
+    )
+
+
 def _publish(temp: str, final: str, root: str, token: str) -> None:
     """Renames `temp` to `final`, replacing an older checkpoint there."""
+    check_replaceable(final)
     old = None
     if os.path.exists(final):
         old = os.path.join(root, f".{os.path.basename(final)}.old-{token}")

@@ -85,6 +85,10 @@ class CheckpointManager:
         runtime = self.runtime(model)
         start = time.perf_counter()
         self.wait(model)
+        if runtime.is_chief:
+            # No write into the directory is in flight now (the wait is
+            # collective): what an interrupted one left goes.
+            fmt.clean_temporaries(self.directory)
         path = os.path.join(self.directory, f"{fmt.PREFIX}{int(step)}")
         # Every process exports its own parts (no gather; on TensorFlow
         # reading a sync-on-read variable is a collective all make).
@@ -125,13 +129,18 @@ class CheckpointManager:
         if runtime.is_chief:
             try:
                 token = shards.begin(self.directory, step)
+            except fmt.CheckpointError as error:
+                token = f"!{error}"
             except OSError as error:
-                token = f"!{type(error).__name__}: {error}"
+                token = (
+                    "!the chief could not create its directory "
+                    f"({type(error).__name__}: {error})."
+                )
         token = runtime.broadcast(token, 0)
         if token.startswith("!"):
             raise fmt.CheckpointError(
                 f"Cannot write checkpoint {step} into {self.directory!r}: "
-                f"the chief could not create its directory ({token[1:]})."
+                f"{token[1:]}"
             )
         self._check_every_process_sees(runtime, step, token)
         job = _ShardWriter(self, step, token, runtime, entries, metadata)

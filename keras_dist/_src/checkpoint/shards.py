@@ -66,6 +66,7 @@ def begin(root: str, step: int) -> str:
         Its token (every process derives the path with `temp_path`).
     """
     os.makedirs(root, exist_ok=True)
+    fmt.check_replaceable(os.path.join(root, f"{fmt.PREFIX}{int(step)}"))
     token = secrets.token_hex(4)
     os.mkdir(temp_path(root, step, token))
     return token
