@@ -226,6 +226,65 @@ def test_parity_with_one_device(name, reference):
 
 @jax_only
 @pytest.mark.multi_device
+@pytest.mark.parametrize("first", ["fit", "predict"])
+def test_a_model_its_first_call_builds_gets_its_layouts(first):
+    """A model made in the scope without an input shape is built by its
+    first `fit` (Keras's symbolic build) or `predict` (a call): its
+    variables and Adam's slots still get their layouts, and training
+    equals one device."""
+
+    def unbuilt():
+        return keras.Sequential(
+            [
+                keras.layers.Dense(16, activation="tanh", name="hidden"),
+                keras.layers.Dense(4, name="out"),
+            ]
+        )
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(20, 6)).astype("float32")
+    y = rng.normal(size=(20, 4)).astype("float32")
+    keras.utils.set_random_seed(5)
+    plain = unbuilt()
+    plain.build((None, 6))
+    initial = plain.get_weights()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    layouts = keras_dist.LayoutMap(
+        keras_dist.DeviceMesh((2, 2), ("batch", "model"))
+    )
+    layouts[".*hidden/kernel"] = (None, "model")
+    layouts[".*out/kernel"] = ("model", None)
+    strategy = keras_dist.ModelParallel(layouts, "batch")
+    with strategy.scope():
+        model = unbuilt()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    # The same initial weights, set once the model has its variables.
+    callbacks = [
+        keras.callbacks.LambdaCallback(
+            on_train_begin=lambda logs: model.set_weights(initial)
+        )
+    ]
+    if first == "predict":
+        model.predict(x, batch_size=8, verbose=0)
+    model.fit(
+        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+        callbacks=callbacks,
+    )  # fmt: skip
+    difference = max_relative_difference(
+        plain.get_weights(), model.get_weights()
+    )
+    assert difference <= TOLERANCE
+    got = {r["path"]: r["layout"] for r in strategy.describe(model, None)}
+    name = model.name
+    assert got[f"{name}/hidden/kernel"] == (None, "model")
+    assert got[f"{name}/out/kernel"] == ("model", None)
+    slots = [p for p in got if p.endswith("hidden_kernel_momentum")]
+    assert slots and got[slots[0]] == (None, "model"), sorted(got)
+
+
+@jax_only
+@pytest.mark.multi_device
 def test_layout_errors_are_clear():
     mesh = keras_dist.DeviceMesh((2, 2), ("batch", "model"))
     layouts = keras_dist.LayoutMap(mesh)

@@ -103,6 +103,33 @@ def before_symbolic_build(model, before) -> None:
     model.__dict__["_symbolic_build"] = symbolic_build
 
 
+def symbolic_build_in(model, scope) -> None:
+    """Runs Keras's private `_symbolic_build` on the `model` instance inside
+    `scope()` (a context manager factory): what it creates (the layers of
+    a model built by its first `fit`, the optimizer's variables) is
+    created there."""
+    original = model._symbolic_build
+
+    def symbolic_build(*args, **kwargs):
+        with scope():
+            return original(*args, **kwargs)
+
+    model.__dict__["_symbolic_build"] = symbolic_build
+
+
+def variable_layout(variable):
+    """Keras's private `Variable._layout`: the backend layout the variable
+    was created with under a distribution (a JAX `NamedSharding`), or
+    None."""
+    return getattr(variable, "_layout", None)
+
+
+def set_variable_layout(variable, layout) -> None:
+    """Sets Keras's private `Variable._layout` (what Keras places assigned
+    values and optimizer slots made from the variable with)."""
+    variable._layout = layout
+
+
 def replace_maybe_symbolic_build(model, function) -> None:
     """Replaces Keras's private `_maybe_symbolic_build` (which the TF trainer
     calls before the first step) on the `model` instance with `function`

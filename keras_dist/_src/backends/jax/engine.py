@@ -178,6 +178,11 @@ class SPMDEngine:
             self.sync_variables(model.variables)
         _StepFunctions(self, model).install()
 
+    def check_built(self, model) -> None:
+        """Before a step function is made (the model has its variables):
+        the policy's checks."""
+        self.policy.check_built(model)
+
     def sync_variables(self, variables) -> None:
         """Gives every process the chief's values of `variables` (e.g. after
         the chief alone loaded weights)."""
@@ -378,7 +383,7 @@ class _StepFunctions:
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
-        self.engine.policy.check_built(model)
+        self.engine.check_built(model)
         state = self.engine.state_shardings(model)
         replicated = self.engine.replicated
         if self.engine.sync_batch_norm:
@@ -449,7 +454,7 @@ class _StepFunctions:
         model = self.model
         if model.test_function is not None and not force:
             return model.test_function
-        self.engine.policy.check_built(model)
+        self.engine.check_built(model)
         trainable, non_trainable, _, metrics = self.engine.state_shardings(
             model
         )
@@ -463,7 +468,7 @@ class _StepFunctions:
         model = self.model
         if model.predict_function is not None and not force:
             return model.predict_function
-        self.engine.policy.check_built(model)
+        self.engine.check_built(model)
         trainable, non_trainable, _, _ = self.engine.state_shardings(model)
         state = (trainable, non_trainable)
 

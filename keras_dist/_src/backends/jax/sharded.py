@@ -22,8 +22,13 @@ from keras import distribution as keras_distribution
 
 from keras_dist._src import plan as plan_lib
 from keras_dist._src.backends.jax.devices import devices_by_name
-from keras_dist._src.backends.jax.engine import SPMDEngine
+from keras_dist._src.backends.jax.engine import (
+    SPMDEngine,
+    _from_chief,
+    host_value,
+)
 from keras_dist._src.errors import LayoutError, VariablesOutsideScopeError
+from keras_dist._src.keras_glue import internals as glue
 
 
 class _PlanDistribution(keras_distribution.ModelParallel):
@@ -153,6 +158,33 @@ class ShardedEngine(SPMDEngine):
     def __init__(self, plan, runtime, input_options=None):
         policy = LayoutPolicy(plan)
         super().__init__(policy, policy.plan, runtime, input_options)
+
+    def attach(self, model) -> None:
+        """Also: a model that its first `fit` or `evaluate` builds (one
+        made in the scope without an input shape) creates its variables,
+        and its optimizer's, with their layouts; `fit` itself runs with no
+        Keras distribution active (see `SPMDEngine.call_scope`)."""
+        super().attach(model)
+        glue.symbolic_build_in(model, self.scope)
+
+    def check_built(self, model) -> None:
+        """Lays out, with the plan's layout, every weight of `model` created
+        without one (by a first `predict`, which builds the model outside
+        Keras's symbolic build, or by a call outside the scope), so that
+        nothing the plan shards stays whole on every device; then the
+        policy's checks."""
+        for variable in model.weights:
+            if glue.variable_layout(variable) is not None:
+                continue
+            layout = self.distribution.get_variable_layout(variable)
+            sharding = layout.backend_layout
+            if variable.value.sharding != sharding:
+                value = variable.value
+                if self.multi_process:
+                    value = _from_chief(host_value(value))
+                glue.set_variable_value(variable, self.put(value, sharding))
+            glue.set_variable_layout(variable, sharding)
+        super().check_built(model)
 
 
 def create_engine(plan, runtime, input_options):
