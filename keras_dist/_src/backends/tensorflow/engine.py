@@ -332,33 +332,41 @@ def _make_function(model, step):
         ):  # train_on_batch and test_on_batch: one batch
             return single(iterator)
         outputs = None
-        for index in range(executions):
+        for _ in range(executions):
             # A call past the input's end still runs the step's ops that
             # do not wait for data: the random generators' advance (the
             # epochs after a shorter last execution drew other Dropout
-            # masks than one device). Their states are put back then.
-            saved = _seed_states(model) if index else None
+            # masks than one device) and the optimizer's step count (one
+            # more Adam step than Keras's own loop, which checks for data
+            # first). Their states are put back then.
+            saved = _data_free_states(model)
             try:
                 outputs = single(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
+                for variable, value in saved:
+                    variable.assign(value)
                 if outputs is None:
                     raise
-                for variable, value in saved or ():
-                    variable.assign(value)
                 break
         return outputs
 
     return function
 
 
-def _seed_states(model):
-    """(variable, value) of the state of every random generator a step of
-    `model` may advance: its layers' and Keras's global one."""
+def _data_free_states(model):
+    """(variable, value) of what a step of `model` changes without reading
+    data: every random generator's state (its layers' and Keras's global
+    one) and the optimizer's step count."""
+    states = []
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        iterations = optimizer.iterations
+        states.append((iterations, tf.identity(iterations.value)))
     generators = []
     for layer in glue.flatten_layers(model, include_self=True):
         generators.extend(glue.layer_seed_generators(layer))
     generators.append(glue.global_seed_generator())
-    seen, states = set(), []
+    seen = set()
     for generator in generators:
         state = getattr(generator, "state", None)
         if state is None or id(state) in seen:
