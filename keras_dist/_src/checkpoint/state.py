@@ -339,7 +339,8 @@ def restore_rng(arrays: dict) -> None:
     """Sets the global random generators from `capture_rng`'s arrays.
 
     Generators absent from `arrays` (e.g. torch's in a checkpoint written
-    on JAX) are left as they are.
+    where torch was not imported), or not installed here, are left as they
+    are.
     """
     if "rng/python/state" in arrays:
         gauss = float(arrays["rng/python/gauss"][0])
@@ -361,10 +362,16 @@ def restore_rng(arrays: dict) -> None:
                 float(cached),
             )
         )
-    if "rng/torch/cpu" in arrays and keras.backend.backend() == "torch":
-        import torch
-
-        torch.set_rng_state(torch.from_numpy(arrays["rng/torch/cpu"].copy()))
+    if "rng/torch/cpu" in arrays:
+        # Saved wherever torch was in use, whatever the backend (a torch
+        # DataLoader's shuffle feeding a JAX model draws from it).
+        try:
+            import torch
+        except ImportError:  # written where torch is, read where it is not
+            torch = None
+        if torch is not None:
+            state = torch.from_numpy(arrays["rng/torch/cpu"].copy())
+            torch.set_rng_state(state)
     tf_rng = _tf_context_rng()
     if "rng/tensorflow/op_seed" in arrays and tf_rng is not None:
         state = tuple(int(i) for i in arrays["rng/tensorflow/op_seed"])
