@@ -82,6 +82,23 @@ out = {
 }
 for i in range(20):   # many rounds: keys and sequence numbers stay in step
     assert rt.all_reduce(i, "max") == i
+if strategy.num_replicas_in_sync == 2 and sys.argv[2] == "torch":
+    import torch
+
+    # strategy.reduce/gather on parts of 3 and 2 rows: along the batch
+    # axis they combine; whole, their shapes differ: an error on both
+    # ranks, after which the collectives stay in step.
+    (part,) = strategy.distribute_dataset([np.arange(10.0).reshape(5, 2)])
+    out["reduce_sum0"] = strategy.reduce("sum", part, axis=0).tolist()
+    out["reduce_mean0"] = strategy.reduce("mean", part, axis=0).tolist()
+    out["gathered"] = strategy.gather(part, axis=0).tolist()
+    try:
+        strategy.reduce("sum", part, axis=None)
+        out["uneven"] = "no error"
+    except ValueError as error:
+        out["uneven"] = str(error)
+    total = strategy.reduce("sum", torch.tensor(rank + 1, dtype=torch.int32))
+    out["int_sum"] = [int(total), str(total.dtype)]
 # The key-value store: the other worker publishes, this one waits (no
 # collective); a key nobody publishes times out as None.
 out["store"] = rt.has_key_values
@@ -125,6 +142,7 @@ def test_runtime_collectives_with_two_processes(tmp_path):
             "2",
             str(script),
             str(tmp_path / "out"),
+            BACKEND,
         ],
         cwd=tmp_path,
         env=env,
@@ -148,6 +166,12 @@ def test_runtime_collectives_with_two_processes(tmp_path):
             {"n": 10, "s": "worker"},
             {"n": 20, "s": "workerworker"},
         ]
+        if BACKEND == "torch":
+            assert out["reduce_sum0"] == [20.0, 25.0]
+            assert out["reduce_mean0"] == [4.0, 5.0]
+            assert out["gathered"] == np.arange(10.0).reshape(5, 2).tolist()
+            assert "differ in shape" in out["uneven"], out["uneven"]
+            assert out["int_sum"] == [3, "torch.int32"]
         assert out["big"] == [2 * 2**40 + 1] * 3  # int64 exact
         assert out["store"]  # every backend's job has one
         assert out["waited"] == "hello from 1"

@@ -241,26 +241,43 @@ class TorchEngine:
     def reduce(self, op, value, axis):
         """Combines a per-replica value across ranks."""
         self.check_custom_loop("reduce")
-        x = _as_tensor(local_results(value)[0]).to(self.device)
+        x = _as_tensor(local_results(value)[0]).to(self.device).detach()
         if axis is None:
-            total = x.detach().clone().float()
-            dist.all_reduce(total, group=self.aux_group)
-            if op is ReduceOp.MEAN:
-                total = total / self.world_size
-            return total
-        count = torch.tensor([float(x.shape[axis])], device=self.device)
-        total = x.detach().float().sum(axis)
-        packed = torch.cat([total.reshape(-1), count])
-        dist.all_reduce(packed, group=self.aux_group)
-        total = packed[:-1].reshape(total.shape)
+            kept, count = tuple(x.shape), 1
+        else:
+            axis = axis % max(x.dim(), 1)
+            kept = tuple(x.shape[:axis] + x.shape[axis + 1 :])
+            count = int(x.shape[axis])
+        # Every rank's part must have the shape the others have (but for
+        # `axis`): parts of other sizes would pair up wrong elements in the
+        # all-reduce, or hang it. The check also sums the counts along
+        # `axis`.
+        count = _same_shape_everywhere(
+            kept, count, self.aux_group, self.device, "reduce", axis
+        )
+        # Sums keep the parts' dtype (integers stay exact); half-precision
+        # floats are summed in float32. Means are floating point.
+        exact = x.dtype in (torch.float32, torch.float64, torch.int32)
+        exact = exact or x.dtype == torch.int64
+        total = x.clone() if exact else x.float()
+        if axis is not None:
+            total = total.sum(axis)
+        dist.all_reduce(total, group=self.aux_group)
         if op is ReduceOp.MEAN:
-            total = total / packed[-1].clamp_min(1)
-        return total
+            if not total.dtype.is_floating_point:
+                total = total.float()
+            return total / max(count, 1)
+        return total.to(x.dtype)
 
     def gather(self, value, axis):
         """Concatenates each rank's value along `axis`."""
         self.check_custom_loop("gather")
         x = _as_tensor(local_results(value)[0]).to(self.device)
+        axis = axis % max(x.dim(), 1)
+        kept = tuple(x.shape[:axis] + x.shape[axis + 1 :])
+        _same_shape_everywhere(
+            kept, 0, self.aux_group, self.device, "gather", axis
+        )
         return all_gather_concat(x, axis, self.aux_group, self.world_size)
 
     def local_results(self, value):
@@ -366,6 +383,43 @@ def replicated_placement(variable):
     """``(layout, shard shape)`` of a variable every device holds whole."""
     shape = tuple(variable.shape)
     return (None,) * len(shape), shape
+
+
+_MAX_RANK = 16
+
+
+def _same_shape_everywhere(shape, count, group, device, what, axis) -> int:
+    """Raises on every rank unless all ranks' `shape` is the same (one
+    small all-reduce); returns the sum of every rank's `count`.
+
+    The ranks sum (h, h*h) of their header h = (rank, dims...): h is the
+    same everywhere exactly when n * sum(h*h) == sum(h)**2 element-wise.
+    """
+    if len(shape) > _MAX_RANK:
+        raise ValueError(
+            f"strategy.{what} takes values of at most {_MAX_RANK} "
+            f"dimensions; got shape {shape}."
+        )
+    header = torch.zeros(_MAX_RANK + 1, dtype=torch.int64)
+    header[0] = len(shape)
+    header[1 : len(shape) + 1] = torch.tensor(shape, dtype=torch.int64)
+    packed = torch.cat([header, header * header, torch.tensor([count, 1])])
+    packed = packed.to(device)
+    dist.all_reduce(packed, group=group)
+    packed = packed.cpu()
+    size = _MAX_RANK + 1
+    sums, squares = packed[:size], packed[size : 2 * size]
+    ranks = int(packed[-1])
+    if not bool(torch.equal(squares * ranks, sums * sums)):
+        where = "every dimension" if axis is None else f"all but axis {axis}"
+        raise ValueError(
+            f"strategy.{what}: the replicas' parts differ in shape ({where} "
+            f"must match; this rank's is {tuple(shape)}). A batch split "
+            "over replicas has parts of different sizes: reduce a "
+            "per-replica scalar (e.g. the part's loss sum), or along the "
+            "batch axis (axis=0)."
+        )
+    return int(packed[-2])
 
 
 def all_gather_concat(x, axis, group, world_size):
