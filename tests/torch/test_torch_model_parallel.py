@@ -264,6 +264,29 @@ if rank == 0:
     np.savez("embedding.npz", ids=ids, target=target)
     np.savez("embedding_init.npz", *init)
     np.savez("embedding_weights.npz", *weights)
+# MultiHeadAttention, its heads split over "model" (on CPUs attention runs
+# torch's math kernel: DTensor has no rule for the flash kernel's backward).
+keras.backend.clear_session()
+layouts = keras_dist.LayoutMap(mesh)
+layouts[".*mha/(query|key|value)/kernel"] = (None, "model", None)
+layouts[".*mha/attention_output/kernel"] = ("model", None, None)
+strategy = keras_dist.ModelParallel(layouts, "batch")
+with strategy.scope():
+    keras.utils.set_random_seed(rank)
+    seq_in = keras.Input((6, 8))
+    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seq_in, seq_in)
+    model = keras.Model(seq_in, keras.layers.GlobalAveragePooling1D()(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+seqs = rng.normal(size=(16, 6, 8)).astype("float32")
+targets = rng.normal(size=(16, 8)).astype("float32")
+init = model.get_weights()
+model.fit(seqs, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
+weights = model.get_weights()
+out["mha"] = describe(strategy, model)["model/mha/query/kernel"]
+if rank == 0:
+    np.savez("mha.npz", seqs=seqs, targets=targets)
+    np.savez("mha_init.npz", *init)
+    np.savez("mha_weights.npz", *weights)
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
 # Last: a strategy that fails to start leaves the job.
@@ -508,6 +531,25 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     )  # fmt: skip
     got = _load(tmp_path / "embedding_weights.npz")
     assert max_relative_difference(reference.get_weights(), got) <= 1e-5
+
+    # MultiHeadAttention with its heads split trains like one device.
+    assert logs["mha"][1] == ["None", "model", "None"], logs["mha"]
+    data = np.load(tmp_path / "mha.npz")
+    keras.backend.clear_session()
+    seqs = keras.Input((6, 8))
+    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seqs, seqs)
+    reference = keras.Model(seqs, keras.layers.GlobalAveragePooling1D()(h))
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.set_weights(_load(tmp_path / "mha_init.npz"))
+    reference.fit(
+        data["seqs"], data["targets"], batch_size=8, epochs=2, shuffle=False,
+        verbose=0,
+    )  # fmt: skip
+    got = _load(tmp_path / "mha_weights.npz")
+    # Absolute too: the key projection's bias gets a zero gradient (softmax
+    # ignores a shift of every score), so it stays at rounding noise.
+    for want, have in zip(reference.get_weights(), got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-7)
 
     # Every rank reads the whole input: FILE sharding is refused.
     for rank in (0, 1):

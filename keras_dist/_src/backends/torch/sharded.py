@@ -32,6 +32,7 @@ bypassed; the variables' own tensors are replaced instead
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -45,6 +46,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keras_dist._src import plan as plan_lib
 from keras_dist._src.backends.torch import layouts, shard_update
@@ -268,28 +270,40 @@ class _StepFunctions(ModelSteps):
         """The model's variables as DTensors."""
         self.engine.lay_out(self.model)
 
-    # Inside a step, a plain tensor that Keras makes (a recurrent layer's
-    # zero state, a metric's constants, an optimizer's scalars) is the same
-    # on every rank: DTensor treats it as replicated
-    # (`implicit_replication`) instead of refusing the mix.
+    @contextlib.contextmanager
+    def _dtensor_ops(self):
+        """Inside a step, a plain tensor that Keras makes (a recurrent
+        layer's zero state, a metric's constants, an optimizer's scalars)
+        is the same on every rank: DTensor treats it as replicated
+        (`implicit_replication`) instead of refusing the mix. On CPUs,
+        scaled dot-product attention (MultiHeadAttention's) runs torch's
+        math kernel: DTensor has no sharding rule for the CPU flash
+        kernel's backward (torch 2.13), and the math kernel's ops all have
+        one."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(implicit_replication())
+            if self.engine.device.type == "cpu":
+                stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+            yield
+
     def train_step(self, data):
         """Keras's `train_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
         shard_update.install(self.model.optimizer)
-        with implicit_replication():
+        with self._dtensor_ops():
             return layouts.to_plain(self.model.train_step(batch))
 
     def test_step(self, data):
         """Keras's `test_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
-        with implicit_replication():
+        with self._dtensor_ops():
             return layouts.to_plain(self.model.test_step(batch))
 
     def predict_step(self, data):
         """Keras's `predict_step`; the whole batch's outputs on every
         rank."""
         batch = self.engine.place_batch(data)
-        with implicit_replication():
+        with self._dtensor_ops():
             return layouts.to_plain(self.model.predict_step(batch))
 
 
