@@ -385,6 +385,42 @@ def test_interrupted_fit_resumes_exactly(tmp_path, crash_at, save_freq, spe):
     assert not os.path.exists(backup)  # removed once training finished
 
 
+def test_resume_keeps_early_stopping_and_lr_plateau_state(tmp_path):
+    """EarlyStopping and ReduceLROnPlateau count epochs without progress;
+    a resumed run continues their counts (and EarlyStopping's best
+    weights) instead of starting afresh, and stops when the uninterrupted
+    run stops, with its learning rate. The backup, listed first, is saved
+    once every callback has seen the epoch's end."""
+
+    def others():
+        # No epoch improves the loss by 10: EarlyStopping stops after epoch
+        # 2, the learning rate halves after every epoch but the first.
+        return [
+            keras.callbacks.EarlyStopping(
+                "loss", min_delta=10, patience=2, restore_best_weights=True
+            ),
+            keras.callbacks.ReduceLROnPlateau(
+                "loss", factor=0.5, patience=1, min_delta=10
+            ),
+        ]
+
+    reference = build()
+    history = fit(reference, others(), epochs=6)
+    assert len(history.history["loss"]) == 3
+    backup = str(tmp_path / "backup")
+    model = build()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        # 5 steps an epoch: the crash is in epoch 2, the backup of epoch 1.
+        fit(model, [BackupAndRestore(backup), *others(), Crash(12)], epochs=6)
+    model = build()
+    resumed = fit(model, [BackupAndRestore(backup), *others()], epochs=6)
+    assert len(resumed.history["loss"]) == 1  # epoch 2, then it stopped
+    assert float(model.optimizer.learning_rate) == float(
+        reference.optimizer.learning_rate
+    )
+    assert_same(values(model.variables), values(reference.variables), 1e-6)
+
+
 @pytest.mark.multi_device
 @pytest.mark.skipif(BACKEND == "torch", reason="one process per device")
 def test_interrupted_mirrored_fit_resumes_exactly(tmp_path):

@@ -21,6 +21,7 @@ import sys
 import time
 
 import keras
+import numpy as np
 
 from keras_dist._src.checkpoint import format as fmt
 from keras_dist._src.checkpoint import manager as manager_lib
@@ -29,6 +30,19 @@ from keras_dist._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from keras_dist._src.keras_glue import internals as glue
 
 EPOCH_RNG_PREFIX = "epoch_begin/"
+CALLBACK_PREFIX = "callbacks/"
+#: Keras callbacks whose state a resume restores, by the attributes that
+#: hold it (Keras resets them in `on_train_begin`; a resumed run would
+#: otherwise stop, or reduce the learning rate, later than an
+#: uninterrupted one). EarlyStopping's `best_weights` go with them.
+CALLBACK_STATE = (
+    (
+        keras.callbacks.EarlyStopping,
+        ("wait", "stopped_epoch", "best", "best_epoch"),
+    ),
+    (keras.callbacks.ReduceLROnPlateau, ("wait", "best", "cooldown_counter")),
+    (keras.callbacks.ModelCheckpoint, ("best",)),
+)
 #: The file that marks a directory as a `BackupAndRestore` backup: written
 #: (atomically) when the callback creates or claims an empty directory.
 OWNER_FILE = "keras_dist_backup.json"
@@ -145,6 +159,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._owned = set()  # checkpoint names in backup_dir that are ours
         self._wrapped = None  # fit's CallbackList, whose hooks we wrap
         self._unwrap_list = None
+        self._others = []  # fit's other callbacks
         self._reset_position()
 
     def _reset_position(self):
@@ -218,11 +233,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         in its own hooks, as far as it can.
         """
         self._wrapped = None
+        self._others = []
         callbacks = None if frame is None else frame.f_locals.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList) or not any(
             c is self for c in callbacks.callbacks
         ):
             return
+        self._others = [c for c in callbacks.callbacks if c is not self]
         names = ("on_train_batch_begin", "on_train_batch_end", "on_epoch_end")
         original = {name: getattr(callbacks, name) for name in names}
 
@@ -244,6 +261,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         def on_epoch_end(epoch, logs=None):
             original["on_epoch_end"](epoch, logs)
             if self._wrapped is callbacks:
+                # Saved once every callback has seen the epoch's end (an
+                # EarlyStopping after this one in the list included).
+                self._epoch_save()
                 self._check_preemption()
 
         hooks = {
@@ -279,6 +299,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "rng": state.rng_arrays(arrays),
             "epoch_rng": state.unprefixed(arrays, EPOCH_RNG_PREFIX),
             "arrays": arrays,
+            "callbacks": (metadata.get("user") or {}).get("callbacks") or {},
         }
         saved_steps = position.get("steps_per_epoch")
         steps = self._steps()
@@ -370,6 +391,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         resume = self._resume
         if resume is not None and epoch == resume["epoch"]:
+            # After every callback's `on_train_begin`, which resets them.
+            _set_callback_states(
+                self._others, resume["callbacks"], resume["arrays"]
+            )
             if resume["step"]:
                 # The shuffle of this epoch is drawn after this call.
                 state.restore_rng(resume["epoch_rng"])
@@ -425,10 +450,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
         self._step_in_epoch = 0
+        if self._wrapped is None:
+            self._epoch_save()
+            self._check_preemption()
+
+    def _epoch_save(self) -> None:
         if self.save_freq == "epoch":
             self._save()
-        if self._wrapped is None:
-            self._check_preemption()
 
     def on_train_end(self, logs=None):
         if self._skipping and self._unskip is not None:
@@ -477,6 +505,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         extra = {}
         if self._step_in_epoch:
             extra = state.prefixed(self._epoch_rng, EPOCH_RNG_PREFIX)
+        scalars, arrays = _callback_states(self._others)
+        extra.update(arrays)
         position = {
             "epoch": self._epoch,
             "step_in_epoch": self._step_in_epoch,
@@ -484,7 +514,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             "steps_per_epoch": (self.params or {}).get("steps"),
         }
         path = self.manager.save(
-            self.model, self._global_step, position, extra_arrays=extra
+            self.model,
+            self._global_step,
+            position,
+            extra_arrays=extra,
+            extra={"callbacks": scalars},
         )
         self._owned.add(os.path.basename(path))
         self._last_saved = self._global_step
@@ -632,3 +666,61 @@ def _remove_file(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def _stateful(callbacks):
+    """(key, callback, attribute names) of the callbacks whose state a
+    resume restores; the key counts callbacks of one kind in list order."""
+    counts = {}
+    for callback in callbacks:
+        for kind, names in CALLBACK_STATE:
+            if isinstance(callback, kind):
+                index = counts.get(kind.__name__, 0)
+                counts[kind.__name__] = index + 1
+                yield f"{kind.__name__}/{index}", callback, names
+                break
+
+
+def _plain(value):
+    """`value` as a JSON number (or None, a bool); `...` when it is not one
+    (not saved)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.shape == ():
+        return _plain(value.item())
+    return ...
+
+
+def _callback_states(callbacks):
+    """({key: {attribute: value}}, {array key: array}) of `callbacks`."""
+    scalars, arrays = {}, {}
+    for key, callback, names in _stateful(callbacks):
+        values = {}
+        for name in names:
+            value = _plain(getattr(callback, name, ...))
+            if value is not ...:
+                values[name] = value
+        scalars[key] = values
+        weights = getattr(callback, "best_weights", None)
+        if isinstance(callback, keras.callbacks.EarlyStopping) and weights:
+            for i, weight in enumerate(weights):
+                name = f"{CALLBACK_PREFIX}{key}/best_weights/{i:05d}"
+                arrays[name] = np.asarray(weight)
+    return scalars, arrays
+
+
+def _set_callback_states(callbacks, scalars, arrays) -> None:
+    """Gives `callbacks` the state `_callback_states` saved."""
+    for key, callback, _ in _stateful(callbacks):
+        for name, value in (scalars.get(key) or {}).items():
+            setattr(callback, name, value)
+        prefix = f"{CALLBACK_PREFIX}{key}/best_weights/"
+        weights = sorted(
+            (k, v) for k, v in arrays.items() if k.startswith(prefix)
+        )
+        if weights and isinstance(callback, keras.callbacks.EarlyStopping):
+            callback.best_weights = [np.asarray(v) for _, v in weights]
