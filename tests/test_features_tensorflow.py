@@ -486,6 +486,35 @@ def test_mean_add_loss_and_regularizers_are_exact(replicas):
         dist.fit(x, {"a": y, "b": y[:, :1]}, batch_size=5, verbose=0)
 
 
+@pytest.mark.parametrize("replicas", [2])
+def test_activity_regularizer_before_batch_norm_is_exact(replicas):
+    """BatchNormalization's collective interleaves the replicas' forward
+    passes; each replica's loss still has its own regularizer term."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        h = keras.layers.Dense(
+            5,
+            activation="tanh",
+            activity_regularizer=keras.regularizers.L2(0.1),
+        )(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    x, y = _data(n=8)
+    plain, dist = _pair(
+        replicas,
+        build,
+        lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
+    )
+    h1, h2 = _fit_both(plain, dist, x, y, batch_size=8)
+    assert (
+        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
+    )
+    _assert_logs_close(h1, h2)
+
+
 def _bn_dropout_model(seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((3,))

@@ -280,6 +280,18 @@ def optimizer_trainable_variables(optimizer) -> list:
 
 
 # -- layers -------------------------------------------------------------------
+def layer_losses(layer):
+    """Keras's private `Layer._losses`: the values `add_loss` (activity
+    regularizers included) collected in the layer's last call."""
+    return layer._losses
+
+
+def set_layer_losses(layer, losses) -> None:
+    """Replaces Keras's private `Layer._losses` container of `layer`
+    (without Keras's attribute tracking)."""
+    object.__setattr__(layer, "_losses", losses)
+
+
 def flatten_layers(model, include_self=False):
     """Keras's private `Layer._flatten_layers`: every layer of `model`,
     nested ones included (the model itself only with `include_self`)."""

@@ -21,6 +21,10 @@ from keras_dist._src.backends.tensorflow.engine import ReplicaEngine
 from keras_dist._src.backends.tensorflow.inputs import (
     distribute_global_batches,
 )
+from keras_dist._src.backends.tensorflow.replica_losses import (
+    keep_losses_per_thread,
+)
+from keras_dist._src.keras_glue import internals as glue
 
 
 class MirroredEngine(ReplicaEngine):
@@ -46,6 +50,17 @@ class MirroredEngine(ReplicaEngine):
         """BatchNormalization: global-batch (or per-replica) moments."""
         if isinstance(layer, layers.BatchNormalization):
             set_batch_norm_sync(layer, self.sync_batch_norm)
+
+    def attach(self, model) -> None:
+        """Also: with cross-replica BatchNormalization, whose collective
+        interleaves the replicas' forward passes, each replica keeps its
+        own `add_loss` values (`replica_losses.PerThreadLosses`)."""
+        super().attach(model)
+        if self.sync_batch_norm and any(
+            isinstance(layer, layers.BatchNormalization)
+            for layer in glue.flatten_layers(model)
+        ):
+            keep_losses_per_thread(model)
 
 
 _strategies_created = 0

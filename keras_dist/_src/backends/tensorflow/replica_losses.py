@@ -10,6 +10,8 @@ step (`replica_step`) weights by the part's share of the global batch.
 
 from __future__ import annotations
 
+import threading
+
 import tensorflow as tf
 from keras import tree
 
@@ -176,6 +178,63 @@ class NoReplicaLossScaling:
             for metric, value in updates:
                 metric.update_state(value, sample_weight=self._share)
         return False
+
+
+class PerThreadLosses:
+    """A layer's `add_loss` values, one list per thread.
+
+    tf.distribute runs each replica's step in a thread of its own. Keras
+    keeps `add_loss` values in one list per layer, which the outermost
+    call clears: with cross-replica BatchNormalization, whose collective
+    lets another replica's forward pass run in between, the other replica
+    cleared this one's activity-regularizer values and put its own there
+    (the loss then had one replica's term on every replica, and missed it
+    from the others' gradients). Here each thread has its own list. Copied
+    or pickled, it is a plain list (this thread's values).
+    """
+
+    def __init__(self, values=()):
+        self._local = threading.local()
+        self._local.values = list(values)
+
+    @property
+    def _values(self) -> list:
+        values = getattr(self._local, "values", None)
+        if values is None:
+            values = self._local.values = []
+        return values
+
+    def extend(self, values) -> None:
+        self._values.extend(values)
+
+    def append(self, value) -> None:
+        self._values.append(value)
+
+    def clear(self) -> None:
+        self._values.clear()
+
+    def __getitem__(self, index):
+        return self._values[index]
+
+    def __iter__(self):
+        return iter(list(self._values))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def __reduce__(self):
+        return (list, (list(self._values),))
+
+
+def keep_losses_per_thread(model) -> None:
+    """Gives every layer of `model` a `PerThreadLosses` (once)."""
+    for layer in glue.flatten_layers(model, include_self=True):
+        losses = glue.layer_losses(layer)
+        if not isinstance(losses, PerThreadLosses):
+            glue.set_layer_losses(layer, PerThreadLosses(losses))
 
 
 class OwnLosses:
