@@ -283,8 +283,10 @@ init = model.get_weights()
 model.fit(seqs, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
 weights = model.get_weights()
 out["mha"] = describe(strategy, model)["model/mha/query/kernel"]
+# Called directly (inference by hand): whole inputs in, whole outputs out.
+direct = keras.ops.convert_to_numpy(model(seqs[:5]))
 if rank == 0:
-    np.savez("mha.npz", seqs=seqs, targets=targets)
+    np.savez("mha.npz", seqs=seqs, targets=targets, direct=direct)
     np.savez("mha_init.npz", *init)
     np.savez("mha_weights.npz", *weights)
 with open(f"logs{rank}.json", "w") as f:
@@ -550,6 +552,12 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     # ignores a shift of every score), so it stays at rounding noise.
     for want, have in zip(reference.get_weights(), got, strict=True):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        data["direct"],
+        keras.ops.convert_to_numpy(reference(data["seqs"][:5])),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
     # Every rank reads the whole input: FILE sharding is refused.
     for rank in (0, 1):

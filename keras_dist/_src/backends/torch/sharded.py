@@ -264,7 +264,46 @@ class _StepFunctions(ModelSteps):
         get_metrics_result.__doc__ = cls.get_metrics_result.__doc__
         model.__dict__["get_metrics_result"] = get_metrics_result
         install_global_dropout(model, _draw_global_mask(self.engine))
+        self._install_direct_calls()
         super().install()
+
+    def _install_direct_calls(self) -> None:
+        """`model(x)` outside the steps (inference by hand): every rank
+        passes the same whole batch, which goes in replicated; the output
+        comes back whole, as a plain tensor. Inside a step the inputs are
+        DTensors already and pass through."""
+        model = self.model
+        original = model.call
+        engine = self.engine
+
+        def replicated(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(
+                    x.to(engine.device),
+                    engine.torch_mesh,
+                    engine.replicated,
+                    run_check=False,
+                )
+            return x
+
+        def laid_out():
+            return any(
+                isinstance(glue.variable_value(v), DTensor)
+                for v in model.weights
+            )
+
+        def call(*args, **kwargs):
+            leaves = tree.flatten((args, kwargs))
+            if any(isinstance(x, DTensor) for x in leaves) or not laid_out():
+                # A step's call, or one before the variables are laid out
+                # (Keras's build of the model).
+                return original(*args, **kwargs)
+            args, kwargs = tree.map_structure(replicated, (args, kwargs))
+            with self._dtensor_ops():
+                return layouts.to_plain(original(*args, **kwargs))
+
+        call.__doc__ = getattr(original, "__doc__", None)
+        model.__dict__["call"] = call
 
     def prepare(self) -> None:
         """The model's variables as DTensors."""
