@@ -13,6 +13,7 @@ other axes), or replicated when the axis does not divide them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -43,8 +44,15 @@ class _PlanDistribution(keras_distribution.ModelParallel):
             auto_shard_dataset=False,
         )
         self._plan = plan
+        #: Set while Keras's symbolic build runs in the scope: its sample
+        #: batch (of any size) is replicated, not split.
+        self.replicate_data = False
 
     def get_data_layout(self, data_shape):
+        if self.replicate_data:
+            return keras_distribution.TensorLayout(
+                [None] * len(data_shape), self.device_mesh
+            )
         return keras_distribution.TensorLayout(
             self._plan.data_layout(len(data_shape)), self.device_mesh
         )
@@ -165,7 +173,19 @@ class ShardedEngine(SPMDEngine):
         and its optimizer's, with their layouts; `fit` itself runs with no
         Keras distribution active (see `SPMDEngine.call_scope`)."""
         super().attach(model)
-        glue.symbolic_build_in(model, self.scope)
+        glue.symbolic_build_in(model, self._build_scope)
+
+    @contextlib.contextmanager
+    def _build_scope(self):
+        """The strategy's scope for Keras's symbolic build: variables get
+        their layouts; the sample batch is replicated (a batch the batch
+        axis does not divide would not split)."""
+        self.distribution.replicate_data = True
+        try:
+            with self.scope():
+                yield
+        finally:
+            self.distribution.replicate_data = False
 
     def check_built(self, model) -> None:
         """Lays out, with the plan's layout, every weight of `model` created
