@@ -690,8 +690,12 @@ def _plain(value):
         return int(value)
     if isinstance(value, (float, np.floating)):
         return float(value)
-    if isinstance(value, np.ndarray) and value.shape == ():
-        return _plain(value.item())
+    try:  # a 0-d array or a backend's scalar tensor
+        array = np.asarray(value)
+    except Exception:
+        return ...
+    if array.shape == () and array.dtype.kind in "biuf":
+        return _plain(array.item())
     return ...
 
 
