@@ -275,6 +275,19 @@ class _StepFunctions(ModelSteps):
         model = self.model
         original = model.call
         engine = self.engine
+        building = [False]
+
+        @contextlib.contextmanager
+        def build_scope():
+            # Keras's symbolic build calls the model as Keras does on one
+            # device (compute_output_spec): it is not a call by hand.
+            building[0] = True
+            try:
+                yield
+            finally:
+                building[0] = False
+
+        glue.symbolic_build_in(model, build_scope)
 
         def replicated(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -294,9 +307,13 @@ class _StepFunctions(ModelSteps):
 
         def call(*args, **kwargs):
             leaves = tree.flatten((args, kwargs))
-            if any(isinstance(x, DTensor) for x in leaves) or not laid_out():
-                # A step's call, or one before the variables are laid out
-                # (Keras's build of the model).
+            if (
+                building[0]
+                or any(isinstance(x, DTensor) for x in leaves)
+                or not laid_out()
+            ):
+                # Keras's symbolic build, a step's call, or one before the
+                # variables are laid out (Keras's build of the model).
                 return original(*args, **kwargs)
             args, kwargs = tree.map_structure(replicated, (args, kwargs))
             with self._dtensor_ops():
