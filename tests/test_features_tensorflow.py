@@ -65,6 +65,15 @@ def _fit_both(plain, dist, x, y, **kwargs):
     return h1, h2
 
 
+def _assert_trains_alike(plain, dist, h1, h2, rtol=1e-5):
+    """The strategy's model ends with the plain model's weights and logs."""
+    difference = max_relative_difference(
+        plain.get_weights(), dist.get_weights()
+    )
+    assert difference < rtol, difference
+    _assert_logs_close(h1, h2, rtol=rtol)
+
+
 def _assert_logs_close(h1, h2, rtol=1e-5):
     assert h1.keys() == h2.keys()
     for key in h1:
@@ -97,10 +106,7 @@ def test_optimizer_options_match_one_device(replicas, options):
         },
     )
     h1, h2 = _fit_both(plain, dist, x, y)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
 
 
 @pytest.mark.parametrize("replicas", REPLICAS)
@@ -116,10 +122,7 @@ def test_steps_per_execution_matches_one_device(replicas):
         },
     )
     h1, h2 = _fit_both(plain, dist, x, y)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
     np.testing.assert_allclose(
         dist.evaluate(x, y, batch_size=5, verbose=0),
         plain.evaluate(x, y, batch_size=5, verbose=0),
@@ -187,10 +190,7 @@ def test_compute_loss_override_matches_one_device(replicas, n):
         lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
     )
     h1, h2 = _fit_both(plain, dist, x, y, batch_size=6)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
     np.testing.assert_allclose(
         dist.evaluate(x, y, batch_size=6, verbose=0),
         plain.evaluate(x, y, batch_size=6, verbose=0),
@@ -306,10 +306,7 @@ def test_mixed_float16_batch_norm_matches_one_device(replicas):
     )
     # float16 rounds at ~2**-11 relative; summing a batch in another order
     # (shards, all-reduce) flips some roundings (same bound as the matrix).
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 3e-3
-    )
-    _assert_logs_close(h1, h2, rtol=3e-3)
+    _assert_trains_alike(plain, dist, h1, h2, rtol=3e-3)
 
 
 # Item 9: per-output losses and add_loss after BatchNormalization in the
@@ -343,10 +340,7 @@ def test_per_output_losses_logged_exactly(replicas):
         },
     )
     h1, h2 = _fit_both(plain, dist, x, ys)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
 
 
 @pytest.mark.parametrize("replicas", REPLICAS)
@@ -373,10 +367,7 @@ def test_per_output_losses_evaluate_exactly(replicas):
         np.testing.assert_allclose(e2[key], e1[key], rtol=1e-5, err_msg=key)
     # fit with the same uneven batches.
     h1, h2 = _fit_both(plain, dist, x, ys, batch_size=4)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
 
 
 # Item 10: Dropout masks and add_loss.
@@ -404,10 +395,7 @@ def test_dropout_masks_match_one_device(replicas, dropout_seed):
         lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
     )
     h1, h2 = _fit_both(plain, dist, x, y, batch_size=4)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
 
 
 class SumLoss(keras.layers.Layer):
@@ -469,10 +457,7 @@ def test_mean_add_loss_and_regularizers_are_exact(replicas):
     )
     with pytest.warns(UserWarning, match="add_loss"):
         h1, h2 = _fit_both(plain, dist, x, y)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
 
     import warnings
 
@@ -509,10 +494,7 @@ def test_activity_regularizer_before_batch_norm_is_exact(replicas):
         lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"},
     )
     h1, h2 = _fit_both(plain, dist, x, y, batch_size=8)
-    assert (
-        max_relative_difference(plain.get_weights(), dist.get_weights()) < 1e-5
-    )
-    _assert_logs_close(h1, h2)
+    _assert_trains_alike(plain, dist, h1, h2)
 
 
 def _bn_dropout_model(seed=0):

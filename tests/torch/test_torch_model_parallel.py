@@ -478,6 +478,14 @@ def _check_jax_checkpoints(tmp_path, logs):
     return difference
 
 
+def _train_reference(model, optimizer, init, x, y):
+    """Plain Keras on one device from the job's initial weights, as the
+    job's script trains (MSE, batches of 8, 2 epochs, no shuffling)."""
+    model.compile(optimizer=optimizer, loss="mse")
+    model.set_weights(_load(init))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_two_processes_layouts_match_one_device(tmp_path):
@@ -525,11 +533,9 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     h = keras.layers.Embedding(12, 4, name="table")(ids)
     h = keras.layers.GlobalAveragePooling1D()(h)
     reference = keras.Model(ids, keras.layers.Dense(1, name="head")(h))
-    reference.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-    reference.set_weights(_load(tmp_path / "embedding_init.npz"))
-    reference.fit(
-        data["ids"], data["target"], batch_size=8, epochs=2, shuffle=False,
-        verbose=0,
+    _train_reference(
+        reference, keras.optimizers.Adam(0.05),
+        tmp_path / "embedding_init.npz", data["ids"], data["target"],
     )  # fmt: skip
     got = _load(tmp_path / "embedding_weights.npz")
     assert max_relative_difference(reference.get_weights(), got) <= 1e-5
@@ -541,11 +547,9 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     seqs = keras.Input((6, 8))
     h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seqs, seqs)
     reference = keras.Model(seqs, keras.layers.GlobalAveragePooling1D()(h))
-    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    reference.set_weights(_load(tmp_path / "mha_init.npz"))
-    reference.fit(
-        data["seqs"], data["targets"], batch_size=8, epochs=2, shuffle=False,
-        verbose=0,
+    _train_reference(
+        reference, keras.optimizers.SGD(0.1), tmp_path / "mha_init.npz",
+        data["seqs"], data["targets"],
     )  # fmt: skip
     got = _load(tmp_path / "mha_weights.npz")
     # Absolute too: the key projection's bias gets a zero gradient (softmax
