@@ -224,18 +224,19 @@ class SPMDEngine:
 
         return tree.map_structure(place, batch, none_is_leaf=True)
 
+    def relocate(self, x, sharding):
+        """`x` as an array of `sharding` (as it is if it already is one);
+        over several processes, with the chief's value."""
+        if getattr(x, "sharding", None) == sharding:
+            return x
+        if self.multi_process:
+            return self.put(_from_chief(host_value(x)), sharding)
+        return jax.device_put(x, sharding)
+
     def place_state(self, state, shardings):
         """Puts every array of `state` that is not yet where `shardings` say
         (e.g. optimizer variables built at the first step)."""
-
-        def place(x, sharding):
-            if getattr(x, "sharding", None) == sharding:
-                return x
-            if self.multi_process:
-                return self.put(_from_chief(host_value(x)), sharding)
-            return jax.device_put(x, sharding)
-
-        return jax.tree_util.tree_map(place, state, shardings)
+        return jax.tree_util.tree_map(self.relocate, state, shardings)
 
     def state_shardings(self, model):
         """Shardings of (trainable, non-trainable, optimizer, metrics)."""

@@ -23,11 +23,7 @@ from keras import distribution as keras_distribution
 
 from keras_dist._src import plan as plan_lib
 from keras_dist._src.backends.jax.devices import devices_by_name
-from keras_dist._src.backends.jax.engine import (
-    SPMDEngine,
-    _from_chief,
-    host_value,
-)
+from keras_dist._src.backends.jax.engine import SPMDEngine
 from keras_dist._src.errors import LayoutError, VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
 
@@ -198,11 +194,8 @@ class ShardedEngine(SPMDEngine):
                 continue
             layout = self.distribution.get_variable_layout(variable)
             sharding = layout.backend_layout
-            if variable.value.sharding != sharding:
-                value = variable.value
-                if self.multi_process:
-                    value = _from_chief(host_value(value))
-                glue.set_variable_value(variable, self.put(value, sharding))
+            value = self.relocate(variable.value, sharding)
+            glue.set_variable_value(variable, value)
             glue.set_variable_layout(variable, sharding)
         super().check_built(model)
 
