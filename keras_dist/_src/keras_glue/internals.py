@@ -89,26 +89,13 @@ def symbolic_build_pending(model) -> bool:
     )
 
 
-def before_symbolic_build(model, before) -> None:
-    """Calls `before()` (no arguments) each time Keras's private
-    `_symbolic_build` runs on the `model` instance, before it (it builds
-    the model, compiled metrics and losses from symbolic inputs before a
-    first `fit`/`evaluate`)."""
-    original = model._symbolic_build
-
-    def symbolic_build(*args, **kwargs):
-        before()
-        return original(*args, **kwargs)
-
-    model.__dict__["_symbolic_build"] = symbolic_build
-
-
 def symbolic_build_in(model, scope) -> None:
     """Runs Keras's private `_symbolic_build` on the `model` instance inside
     `scope()` (a context manager factory): what it creates (the layers of
     a model built by its first `fit`, the optimizer's variables) is
-    created there."""
-    original = model._symbolic_build
+    created there. Installed again (a recompile), it replaces the previous
+    scope instead of nesting in it."""
+    original = type(model)._symbolic_build.__get__(model)
 
     def symbolic_build(*args, **kwargs):
         with scope():

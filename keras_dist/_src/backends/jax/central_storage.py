@@ -83,11 +83,13 @@ class CentralStorageEngine(engine_lib.SPMDEngine):
         self.policy.check_variables(model)
         _HostStepFunctions(self, model).install()
 
-        def to_device_if_building():
+        @contextlib.contextmanager
+        def on_device_if_building():
             if glue.symbolic_build_pending(model):
                 self._place(model, "device")
+            yield
 
-        glue.before_symbolic_build(model, to_device_if_building)
+        glue.symbolic_build_in(model, on_device_if_building)
         self._models.add(model)
 
     @contextlib.contextmanager
