@@ -21,6 +21,13 @@ the epoch on JAX, whose steps are dispatched asynchronously; one epoch so
 gives the mean steady-state step time. A repeat's value is the mean over its
 epochs, and the table shows the median over repeats.
 
+``--diagnose`` (JAX) adds (e) ``unbounded``: keras_dist's MirroredStrategy
+with its bound on steps in flight on CPU devices removed (unbounded
+dispatch, as ``DataParallel`` and as keras_dist on GPUs and TPUs). It is a
+diagnostic, not a configuration to ship: unbounded dispatch can deadlock
+XLA's CPU collectives under load (``tests/test_jax_stress.py``); (e)/(d)
+says what the bound costs a step.
+
 ``--backend all`` runs this script once per backend (jax, tensorflow) in a
 subprocess with a clean environment and prints all results together.
 
@@ -50,6 +57,7 @@ LABELS = {
     "one_device": "(b) keras_dist.OneDeviceStrategy",
     "mirrored": "(c) keras_dist.MirroredStrategy",
     "anchor": "(d) anchor",
+    "unbounded": "(e) (c), dispatch unbounded",
 }
 ANCHORS = {
     "jax": "keras.distribution.DataParallel",
@@ -116,6 +124,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=3,
         help="first batches of each epoch left out of the timing",
+    )
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="JAX: also time (e), keras_dist's MirroredStrategy without its "
+        "bound on steps in flight on CPU devices (what the bound costs)",
     )
     parser.add_argument("--json", metavar="PATH", help="write results here")
     args = parser.parse_args(argv)
@@ -282,6 +296,13 @@ def _setup_configs(keras, args, backend):
     with anchor_context():
         model = build_model(keras, args)
     configs.append(_Config("anchor", model, anchor_context))
+    if args.diagnose and backend == "jax":
+        unbounded = keras_dist.MirroredStrategy(devices=devices)
+        # The engine's bound (None: unbounded dispatch, as on accelerators).
+        unbounded.extended.max_in_flight = None
+        with unbounded.scope():
+            model = build_model(keras, args)
+        configs.append(_Config("unbounded", model, contextlib.nullcontext))
     return configs
 
 
@@ -370,6 +391,9 @@ def run_backend(args) -> dict:
         }
     med = {name: r["median_ms"] for name, r in results.items()}
     per_repeat = {c.name: c.repeats_ms for c in configs}
+    pairs = {"b/a": ("one_device", "native"), "c/d": ("mirrored", "anchor")}
+    if "unbounded" in med:
+        pairs["e/d"] = ("unbounded", "anchor")
 
     def paired(num, den):
         pairs = zip(per_repeat[num], per_repeat[den], strict=True)
@@ -391,17 +415,11 @@ def run_backend(args) -> dict:
         "repeats": args.repeats,
         "skip": args.skip,
         "results": results,
-        "ratios": {
-            "b/a": med["one_device"] / med["native"],
-            "c/d": med["mirrored"] / med["anchor"],
-        },
+        "ratios": {key: med[n] / med[d] for key, (n, d) in pairs.items()},
         # Median over repeats of the ratio within each repeat: the two
         # configurations of a pair ran back to back, so this cancels slow
         # drifts in machine load better than the ratio of medians.
-        "paired_ratios": {
-            "b/a": paired("one_device", "native"),
-            "c/d": paired("mirrored", "anchor"),
-        },
+        "paired_ratios": {key: paired(n, d) for key, (n, d) in pairs.items()},
         "targets": dict(TARGETS),
         "seconds": time.perf_counter() - started,
         "versions": _versions(backend),
@@ -433,6 +451,8 @@ def _child_argv(args, backend: str, json_path: str) -> list:
         "skip",
     ):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.diagnose:
+        argv.append("--diagnose")
     return argv + ["--json", json_path]
 
 
@@ -464,12 +484,14 @@ def format_table(runs: dict) -> str:
         if "error" in run:
             lines.append(f"{backend:<11} FAILED ({run['error']})")
             continue
-        for name in CONFIGS:
+        for name in CONFIGS + ("unbounded",):
+            if name not in run["results"]:
+                continue
             r = run["results"][name]
             label = r["label"]
             if name == "anchor":
                 label = f"(d) {run['anchor']}"
-            if name in ("mirrored", "anchor"):
+            if name in ("mirrored", "anchor", "unbounded"):
                 label += f" x{run['devices']}"
             spread = f"{r['min_ms']:.3f}..{r['max_ms']:.3f}"
             lines.append(
@@ -477,12 +499,17 @@ def format_table(runs: dict) -> str:
                 f"{spread:>16}"
             )
         for key, value in run["ratios"].items():
-            target = run["targets"][key]
-            verdict = "ok" if value <= target else "ABOVE TARGET"
+            target = run["targets"].get(key)
+            if target is None:
+                verdict = "diagnostic, no target"
+            else:
+                verdict = "target <= {:.2f}: {}".format(
+                    target, "ok" if value <= target else "ABOVE TARGET"
+                )
             paired = run["paired_ratios"][key]
             lines.append(
                 f"{backend:<11} ratio ({key[0]})/({key[2]}) = {value:.3f} "
-                f"(target <= {target:.2f}: {verdict})"
+                f"({verdict})"
             )
             lines.append(
                 f"{'':<11}   per-repeat ratios: median {paired['median']:.3f}"
