@@ -155,10 +155,20 @@ def _strategies():
         mesh = keras_dist.DeviceMesh(shape, ("batch", "model"), devices)
         return keras_dist.ModelParallel(layout_map(mesh), "batch")
 
+    def over_both_axes():
+        # A dimension split over the product of two axes (the guide's
+        # tuple entry): Keras's own TensorLayout refuses the tuple.
+        mesh = keras_dist.DeviceMesh((2, 2), ("batch", "model"))
+        layouts = keras_dist.LayoutMap(mesh)
+        layouts["hidden/kernel"] = (("batch", "model"), None)
+        layouts["out/kernel"] = ("model", None)
+        return keras_dist.ModelParallel(layouts, "batch")
+
     return {
         "mp2x2": lambda: model_parallel((2, 2)),
         "mp1x4": lambda: model_parallel((1, 4)),
         "mp4x1": lambda: model_parallel((4, 1)),
+        "mp2x2_product": over_both_axes,
         # A script sized by its device count, run where there is one (a
         # one-GPU machine): Keras leaves the arrays single-device.
         "mp1x1": lambda: model_parallel((1, 1), ["cpu:0"]),
@@ -185,7 +195,9 @@ def keras_dist_devices():
 
 @jax_only
 @pytest.mark.multi_device
-@pytest.mark.parametrize("name", ["mp2x2", "mp1x4", "mp4x1", "mp1x1", "zero3"])
+@pytest.mark.parametrize(
+    "name", ["mp2x2", "mp1x4", "mp4x1", "mp2x2_product", "mp1x1", "zero3"]
+)
 def test_parity_with_one_device(name, reference):
     initial, (weights, history, evaluation, predictions) = reference
     strategy = _strategies()[name]()
@@ -208,6 +220,12 @@ def test_parity_with_one_device(name, reference):
         # Adam's slots follow their variable's layout.
         slot = [r for r in rows if r["path"].endswith("hidden_kernel_momentum")]
         assert slot[0]["layout"] == (None, "model")
+    if name == "mp2x2_product":
+        product = (("batch", "model"), None)
+        assert by_path["hidden/kernel"]["layout"] == product
+        assert by_path["hidden/kernel"]["bytes_per_device"] == 64 * 16
+        slot = [r for r in rows if r["path"].endswith("hidden_kernel_momentum")]
+        assert slot[0]["layout"] == product
     measured = _bytes_per_device(model)
     described = sum(
         r["bytes_per_device"] for r in rows if r["group"] != "metrics"

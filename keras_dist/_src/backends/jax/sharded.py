@@ -28,6 +28,28 @@ from keras_dist._src.errors import LayoutError, VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
 
 
+class _TensorLayout(keras_distribution.TensorLayout):
+    """Keras's `TensorLayout`, also for an entry that names several mesh
+    axes (a dimension split over their product): JAX's `PartitionSpec`
+    takes one, Keras's check of the axis names does not."""
+
+    def _validate_axes(self):
+        if self._device_mesh is None:
+            return
+        names = set()
+        for entry in self._axes:
+            if isinstance(entry, (tuple, list)):
+                names.update(entry)
+            elif entry is not None:
+                names.add(entry)
+        unknown = names - set(self._device_mesh.axis_names)
+        if unknown:
+            raise ValueError(
+                f"Invalid axis names for Layout: {sorted(unknown)}. Valid "
+                f"axis names: {list(self._device_mesh.axis_names)}."
+            )
+
+
 class _PlanDistribution(keras_distribution.ModelParallel):
     """A Keras distribution that lays out variables by a keras_dist plan
     and checks each layout before Keras places the variable (Keras exports
@@ -61,7 +83,7 @@ class _PlanDistribution(keras_distribution.ModelParallel):
         layout = plan_lib.check_variable_layout(
             self._plan, variable.path, shape, layout
         )
-        return keras_distribution.TensorLayout(layout, self.device_mesh)
+        return _TensorLayout(layout, self.device_mesh)
 
     def get_tensor_layout(self, path):
         del path
