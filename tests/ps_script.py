@@ -286,7 +286,14 @@ def two_workers():
         embed = keras.Sequential(
             [
                 keras.Input((3,), dtype="int32"),
-                keras_dist.layers.ShardedEmbedding(10, 4, name="table"),
+                keras_dist.layers.ShardedEmbedding(
+                    10,
+                    4,
+                    name="table",
+                    embeddings_initializer=keras.initializers.RandomUniform(
+                        seed=7
+                    ),
+                ),
                 keras.layers.Flatten(),
                 keras.layers.Dense(1),
             ]
@@ -295,6 +302,14 @@ def two_workers():
     table = embed.get_layer("table")
     ids = np.random.RandomState(1).randint(0, 7, size=(64, 3)).astype("int32")
     before = [np.array(s.numpy()) for s in table.trainable_weights]
+    # One device's table from the same initializer: the shards are its rows.
+    plain = keras.layers.Embedding(
+        10, 4, embeddings_initializer=keras.initializers.RandomUniform(seed=7)
+    )
+    plain.build((None, 3))
+    init_equal = bool(
+        np.array_equal(np.concatenate(before), plain.embeddings.numpy())
+    )
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(embed(ids[:8]) ** 2)
     grads = tape.gradient(loss, table.trainable_weights)
@@ -315,6 +330,7 @@ def two_workers():
         "unused_rows_same": bool(np.array_equal(after[1][-1:], before[1][-1:])),
         "used_rows_moved": bool(not np.array_equal(after[0], before[0])),
         "iterations": int(embed.optimizer.iterations.numpy()),
+        "init_equal": init_equal,
         "lookup_rel": max_rel(
             [embed.layers[0](ids[:4]).numpy()],
             [np.concatenate(after)[ids[:4]]],

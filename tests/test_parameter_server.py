@@ -142,6 +142,21 @@ def test_sharded_embedding_rows_on_each_ps(two_workers):
     assert table["used_rows_moved"] and table["unused_rows_same"]
     assert table["iterations"] == 10
     assert table["lookup_rel"] <= 1e-6
+    assert table["init_equal"]  # the shards start as one device's table
+
+
+@tf_only
+def test_sharded_embedding_outside_parameter_servers_is_one_variable():
+    """`num_shards` applies under ParameterServerStrategy only (its doc)."""
+    layer = keras_dist.layers.ShardedEmbedding(8, 4, num_shards=2, name="table")
+    model = keras.Sequential(
+        [keras.Input((3,), dtype="int32"), layer], name="net"
+    )
+    assert [v.path for v in model.weights] == ["net/table/embeddings"]
+    with keras_dist.MirroredStrategy(["cpu:0"]).scope():
+        layer = keras_dist.layers.ShardedEmbedding(8, 4, num_shards=2)
+        layer.build((None, 3))
+    assert [tuple(v.shape) for v in layer.weights] == [(8, 4)]
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="ModelParallel path")

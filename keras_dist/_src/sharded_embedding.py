@@ -22,13 +22,17 @@ import keras
 from keras_dist._src.keras_glue.internals import variable_value
 
 
-def _default_shards() -> int:
+def _shards(requested) -> int:
+    """Shards of the table: `requested` (or one per ps task) under
+    ParameterServerStrategy on TensorFlow, else 1 (one variable)."""
     if keras.backend.backend() != "tensorflow":
         return 1
     from keras_dist._src.context import current_strategy
 
-    strategy = current_strategy()
-    return int(getattr(strategy, "num_ps", 1) or 1)
+    num_ps = getattr(current_strategy(), "num_ps", None)
+    if not num_ps:
+        return 1
+    return int(requested or num_ps)
 
 
 def shard_rows(rows: int, shards: int) -> list[int]:
@@ -48,6 +52,8 @@ class ShardedEmbedding(keras.layers.Embedding):
         output_dim: embedding size.
         num_shards: shards of the table under ParameterServerStrategy;
             None for one per ps task. Ignored elsewhere (one variable).
+            The shards start as the rows of one draw of the whole table,
+            as a plain `Embedding` with the same initializer starts.
         **kwargs: `keras.layers.Embedding`'s other arguments (LoRA and
             quantization are not supported when sharded).
     """
@@ -60,26 +66,35 @@ class ShardedEmbedding(keras.layers.Embedding):
     def build(self, input_shape=None):
         if self.built:
             return
-        shards = self.num_shards or _default_shards()
-        shards = max(1, min(int(shards), int(self.input_dim)))
-        if shards == 1 or keras.backend.backend() != "tensorflow":
+        shards = max(1, min(_shards(self.num_shards), int(self.input_dim)))
+        if shards == 1:
             return super().build(input_shape)
         if self.lora_rank or self.quantization_mode:
             raise ValueError(
                 "ShardedEmbedding with several shards supports neither LoRA "
                 "nor quantization."
             )
-        self._shards = [
-            self.add_weight(
-                shape=(rows, self.output_dim),
-                initializer=self.embeddings_initializer,
-                name=f"embeddings_{i}",
-                regularizer=self.embeddings_regularizer,
-                constraint=self.embeddings_constraint,
-                trainable=True,
+        # One draw of the whole table, as a plain Embedding's, split by rows:
+        # the shards start as one device's table would (a seeded initializer
+        # called once per shard gave every shard the same rows).
+        table = self.embeddings_initializer(
+            (self.input_dim, self.output_dim), dtype=self.variable_dtype
+        )
+        self._shards = []
+        start = 0
+        for i, rows in enumerate(shard_rows(self.input_dim, shards)):
+            part = table[start : start + rows]
+            start += rows
+            self._shards.append(
+                self.add_weight(
+                    shape=(rows, self.output_dim),
+                    initializer=lambda shape, dtype=None, part=part: part,
+                    name=f"embeddings_{i}",
+                    regularizer=self.embeddings_regularizer,
+                    constraint=self.embeddings_constraint,
+                    trainable=True,
+                )
             )
-            for i, rows in enumerate(shard_rows(self.input_dim, shards))
-        ]
         self.built = True
 
     @property
