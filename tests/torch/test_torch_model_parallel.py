@@ -250,6 +250,8 @@ with strategy.scope():
     keras.utils.set_random_seed(rank)
     ids_in = keras.Input((3,), dtype="int32")
     h = keras_dist.layers.ShardedEmbedding(12, 4, name="table")(ids_in)
+    # A Dense on the lookup's [batch, ids, 4] output reshapes it.
+    h = keras.layers.Dense(3, name="proj")(h)
     h = keras.layers.GlobalAveragePooling1D()(h)
     model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
@@ -525,12 +527,14 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     assert total["sdp"] < 0.6 * total["mirrored"], total
     assert total["mp"] < 0.6 * total["mirrored"], total
 
-    # ShardedEmbedding row-sharded over "model" trains like one device.
+    # ShardedEmbedding row-sharded over "model" trains like one device,
+    # also with a Dense on its sequence output.
     assert logs["table"] == [12 * 4 * 4 // 2, ["model", "None"]]
     data = np.load(tmp_path / "embedding.npz")
     keras.backend.clear_session()
     ids = keras.Input((3,), dtype="int32")
     h = keras.layers.Embedding(12, 4, name="table")(ids)
+    h = keras.layers.Dense(3, name="proj")(h)
     h = keras.layers.GlobalAveragePooling1D()(h)
     reference = keras.Model(ids, keras.layers.Dense(1, name="head")(h))
     _train_reference(

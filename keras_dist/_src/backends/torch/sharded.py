@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import keras
 import numpy as np
 import torch
 from keras import tree
@@ -249,6 +250,40 @@ def _draw_global_mask(engine):
     return draw
 
 
+def _install_reduced_lookups(model) -> None:
+    """An `Embedding` whose table is split by rows returns, under DTensor,
+    each rank's rows as a "masked partial" sum, whose mask keeps the shape
+    of the ids; a later reshape of the output (a `Dense` or `EinsumDense`
+    on a sequence: ``[B, L, D]`` to ``[B * L, D]``) leaves the mask behind,
+    and reducing it fails (torch 2.13: ``IndexError`` in ``apply_mask``).
+    The lookup's output is reduced right away instead (one all-reduce over
+    the table's axis, as torch's `RowwiseParallel` embedding replicates
+    its output)."""
+    for layer in glue.flatten_layers(model):
+        if isinstance(layer, keras.layers.Embedding):
+            original = layer.call
+            layer.__dict__["call"] = _reduced_lookup(original)
+
+
+def _reduced_lookup(original):
+    def call(*args, **kwargs):
+        outputs = original(*args, **kwargs)
+        if isinstance(outputs, DTensor) and any(
+            p.is_partial() for p in outputs.placements
+        ):
+            outputs = outputs.redistribute(
+                outputs.device_mesh,
+                [
+                    Replicate() if p.is_partial() else p
+                    for p in outputs.placements
+                ],
+            )
+        return outputs
+
+    call.__doc__ = getattr(original, "__doc__", None)
+    return call
+
+
 class _StepFunctions(ModelSteps):
     """Keras's own steps on DTensor batches and variables."""
 
@@ -264,6 +299,7 @@ class _StepFunctions(ModelSteps):
         get_metrics_result.__doc__ = cls.get_metrics_result.__doc__
         model.__dict__["get_metrics_result"] = get_metrics_result
         install_global_dropout(model, _draw_global_mask(self.engine))
+        _install_reduced_lookups(model)
         self._install_direct_calls()
         super().install()
 
