@@ -212,9 +212,24 @@ print("TRAINING DONE", flush=True)
 """
 
 
-def test_killed_worker_stops_the_job(tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "raise"])
+def test_killed_worker_stops_the_job(tmp_path, how):
+    # SIGTERM without BackupAndRestore has its default action: JAX's and
+    # TensorFlow's distributed services swallowed it (training went on to
+    # the end). An exception ends its worker at once: on JAX the worker
+    # waited in the shutdown barrier until the timeout.
     script = tmp_path / "killed.py"
-    script.write_text(KILLED)
+    kill = "os.kill(os.getpid(), signal.SIGKILL)"
+    script.write_text(
+        KILLED.replace(
+            kill,
+            {
+                "SIGKILL": kill,
+                "SIGTERM": "os.kill(os.getpid(), signal.SIGTERM)",
+                "raise": "raise RuntimeError('boom on rank 1')",
+            }[how],
+        )
+    )
     # With a 400 s liveness timeout, an ending well before it shows that the
     # launcher stopped the job on the kill, not a timeout.
     os.environ["KERAS_DIST_TIMEOUT"] = "400"
@@ -224,7 +239,11 @@ def test_killed_worker_stops_the_job(tmp_path):
         del os.environ["KERAS_DIST_TIMEOUT"]
     assert proc.returncode != 0
     assert "TRAINING DONE" not in proc.stdout
-    assert "worker rank 1 was killed by SIGKILL" in proc.stderr
+    if how == "raise":
+        assert proc.returncode == 1
+        assert "RuntimeError: boom on rank 1" in proc.stdout + proc.stderr
+    else:
+        assert f"worker rank 1 was killed by {how}" in proc.stderr
     assert seconds < 200
 
 

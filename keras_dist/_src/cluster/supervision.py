@@ -95,6 +95,27 @@ def watch_launcher() -> None:
     _launcher_watch.start()
 
 
+def keep_sigterm_fatal() -> None:
+    """After a backend's distributed start-up: SIGTERM stops the worker
+    again.
+
+    JAX's preemption service (`jax.distributed.initialize`) and
+    TensorFlow's coordination service install a C handler for SIGTERM that
+    only records it for their own preemption sync points, so a worker
+    ignored `kill`, `timeout`, `scancel` and a pod's deletion (and the
+    launcher's forwarded SIGTERM) until SIGKILL. keras_dist watches SIGTERM
+    itself where it saves for preemption (BackupAndRestore, during `fit`);
+    everywhere else SIGTERM has its default action again, as in a torch
+    job. A Python handler the program set before is put back in place.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    signal.signal(
+        signal.SIGTERM, signal.SIG_DFL if handler is None else handler
+    )
+
+
 def log(message: str) -> None:
     """Writes `message` to stderr, prefixed with keras_dist, and flushes."""
     sys.stderr.write(f"keras_dist: {message}\n")

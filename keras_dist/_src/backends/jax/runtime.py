@@ -10,6 +10,9 @@ collectives run on the devices of every process.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
+import time
 
 import jax
 import numpy as np
@@ -134,6 +137,37 @@ def _initialize(environment: ClusterEnvironment) -> None:
     )
     if gloo and host is not None and binding.is_loopback(host):
         _gloo_on(host)
+    supervision.keep_sigterm_fatal()
+    _exit_on_uncaught_exception()
+
+
+def _exit_on_uncaught_exception() -> None:
+    """A worker whose program raises leaves the job at once, with exit
+    code 1: otherwise JAX's shutdown barrier (at exit) waits for the other
+    workers, which wait in a collective for this one, until a timeout
+    ends them all (minutes) under another rank's name. The launcher then
+    names this worker and stops the others. The traceback is printed
+    first; exit handlers do not run. A worker whose collective failed
+    because a peer left (gloo's error) waits a few seconds first, so that
+    the launcher names the peer that failed, not this one."""
+    original = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            original(kind, value, tb)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if "Gloo" in str(value):
+                time.sleep(_PEER_FAILURE_GRACE)
+        finally:
+            os._exit(1)
+
+    sys.excepthook = hook
+
+
+# Seconds a worker whose collective failed on a peer's exit waits before it
+# exits (the launcher stops it sooner).
+_PEER_FAILURE_GRACE = 5.0
 
 
 def _gloo_on(host: str) -> None:

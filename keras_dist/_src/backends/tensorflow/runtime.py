@@ -139,6 +139,7 @@ class TfRuntime(_StoreRuntime):
         # Joins the job: starts this worker's server and the coordination
         # service, before TensorFlow lists its devices.
         self.tf_strategy = new_strategy(environment)
+        supervision.keep_sigterm_fatal()
 
 
 def create_runtime(kind, devices, environment=None):
