@@ -285,6 +285,36 @@ def test_launcher_imports_neither_keras_nor_a_backend(how):
     assert not heavy, f"the launcher imported {sorted(heavy)}"
 
 
+def test_launcher_reads_the_backend_from_keras_json_without_keras(tmp_path):
+    # Without KERAS_BACKEND the launcher needs keras.json's backend (a
+    # TensorFlow job gets TF_CONFIG); importing Keras to ask took seconds
+    # and started TensorFlow in the launcher.
+    script = tmp_path / "worker.py"
+    script.write_text("import os; print('TF_CONFIG' in os.environ)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(tmp_path)
+    seen = {}
+    for backend in ("jax", "tensorflow"):
+        (tmp_path / "keras.json").write_text(f'{{"backend": "{backend}"}}')
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "keras_dist.launch"]
+            + ["--nproc-per-node", "1", str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        imported = {
+            line.rsplit("|", 1)[-1].strip()
+            for line in proc.stderr.splitlines()
+            if line.startswith("import time:")  # the launcher's own
+        }
+        assert "keras" not in imported and "tensorflow" not in imported
+        seen[backend] = proc.stdout.split()[-1]
+    assert seen == {"jax": "False", "tensorflow": "True"}
+
+
 def test_launch_ps_names_every_task_found_dead_in_one_poll(capfd):
     # Worker 1 and ps 0 killed between two polls (a short epoch under
     # load): both are named, the worker first; the lost ps task ends the

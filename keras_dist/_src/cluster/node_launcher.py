@@ -128,11 +128,22 @@ def worker_environments(config: LaunchConfig, base=None) -> list[dict]:
 
 
 def _configured_backend() -> str:
-    """The Keras backend workers will use (keras.json's, without
-    KERAS_BACKEND)."""
-    import keras
-
-    return keras.backend.backend()
+    """The Keras backend workers will use without KERAS_BACKEND: keras.json's
+    ``"backend"``, found and read as Keras does, else ``"tensorflow"``
+    (Keras's default). Importing Keras to ask it took seconds and started
+    TensorFlow in the launcher."""
+    home = os.environ.get("KERAS_HOME")
+    if not home:
+        base = os.path.expanduser("~")
+        if not os.access(base, os.W_OK):
+            base = "/tmp"
+        home = os.path.join(base, ".keras")
+    try:
+        with open(os.path.expanduser(os.path.join(home, "keras.json"))) as f:
+            backend = json.load(f).get("backend")
+    except (OSError, ValueError, AttributeError):
+        backend = None
+    return str(backend or "tensorflow")
 
 
 def launch(config: LaunchConfig) -> int:
