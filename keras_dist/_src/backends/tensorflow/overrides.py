@@ -179,6 +179,11 @@ def _mean_update(metric):
             values = tf.convert_to_tensor(values)
             if values.shape.rank == 0:  # a loss: this part's mean
                 sample_weight = state[1]
+                # A part with no rows (share 0) has no mean: a user's
+                # `ops.mean` over it is NaN, which a weight of 0 keeps.
+                values = tf.where(
+                    sample_weight > 0, values, tf.zeros_like(values)
+                )
         return original(values, sample_weight=sample_weight)
 
     return update_state
