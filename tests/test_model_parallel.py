@@ -8,6 +8,8 @@ clear error. torch has its own multi-process tests
 are backend-free and run everywhere.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -240,6 +242,27 @@ def test_parity_with_one_device(name, reference):
         assert measured < 0.3 * full, (measured, full)
     elif name not in ("mp4x1", "mp1x1"):
         assert measured < full
+
+
+@jax_only
+@pytest.mark.multi_device
+def test_describe_before_the_first_step_says_what_is_missing():
+    # Keras builds the optimizer's slots at the first step: a table of the
+    # model's variables alone understated a device's bytes by two thirds.
+    strategy = _strategies()["mp2x2"]()
+    with strategy.scope():
+        model = build()
+        compile_model(model)
+    with pytest.warns(UserWarning, match="optimizer is not built yet"):
+        before = strategy.describe(model, print_fn=None)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        after = strategy.describe(model, print_fn=None)
+    assert len(after) > len(before)
+    slot = [r for r in after if r["path"].endswith("hidden_kernel_momentum")]
+    assert slot[0]["layout"] == (None, "model")
 
 
 @jax_only

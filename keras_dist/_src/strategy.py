@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 
 from keras import tree
@@ -282,6 +283,19 @@ def describe_variables(engine, model, print_fn=print) -> list[dict]:
                     "bytes_per_device": int(np.prod(local_shape)) * itemsize,
                 }
             )
+    missing = None
+    if optimizer is not None and not getattr(optimizer, "built", True):
+        # Keras builds the optimizer (its slots) and the compiled metrics at
+        # the first step: before it the table would understate a device's
+        # bytes silently.
+        missing = (
+            "The optimizer is not built yet: its slots (e.g. Adam's moments, "
+            "which follow their variables' layouts) and the compiled metrics "
+            "are not listed. Call describe() after the first step of fit, or "
+            "after model.optimizer.build(model.trainable_variables) in the "
+            "strategy's scope."
+        )
+        warnings.warn(missing, stacklevel=3)
     if print_fn is not None:
         width = max([len(r["path"]) for r in rows] + [4])
         lines = [
@@ -294,6 +308,8 @@ def describe_variables(engine, model, print_fn=print) -> list[dict]:
             )
         total = sum(r["bytes_per_device"] for r in rows)
         lines.append(f"total bytes per device: {total}")
+        if missing:
+            lines.append(missing)
         print_fn("\n".join(lines))
     return rows
 
