@@ -334,6 +334,18 @@ def test_layout_errors_are_clear():
     with pytest.raises(keras_dist.LayoutError, match="hidden/kernel"):
         with strategy.scope():
             compile_model(build())
+    # A regex key whose paths exact keys take first says so.
+    layouts = keras_dist.LayoutMap(mesh)
+    layouts["hidden/kernel"] = (None, "model")
+    layouts["hidden/ker.*"] = ("model", None)
+    with pytest.raises(keras_dist.LayoutError, match="exact keys take them"):
+        with keras_dist.ModelParallel(layouts).scope():
+            compile_model(build())
+    # An empty map would shard nothing.
+    strategy = keras_dist.ModelParallel(keras_dist.LayoutMap(mesh))
+    with pytest.raises(keras_dist.LayoutError, match="empty"):
+        with strategy.scope():
+            compile_model(build())
     layouts = keras_dist.LayoutMap(mesh)
     layouts["out/kernel"] = (None, "model")  # 4 classes: fine; 3 would not
     layouts["conv/kernel"] = ("model", None, None, None)  # 3 % 2 != 0

@@ -383,18 +383,39 @@ def check_variable_layout(plan: Plan, path: str, shape, layout) -> tuple:
 
 
 def check_unmatched(plan: Plan, paths: Sequence[str], what: str) -> None:
-    """Raises when a LayoutMap key matches none of `paths`.
+    """Raises when a LayoutMap key matches none of `paths`, or when the
+    map has no key at all (it would shard nothing).
 
     Raises:
-        LayoutError: naming each such key and the nearest paths.
+        LayoutError: naming each such key and the nearest paths (or the
+            key that takes the paths it matches).
     """
-    if not isinstance(plan, LayoutPlan) or plan.layout_map.allow_unmatched:
+    if not isinstance(plan, LayoutPlan):
+        return
+    if not len(plan.layout_map):
+        raise LayoutError(
+            f"The LayoutMap of this ModelParallel is empty, so it would shard "
+            f"no variable of {what}: every device would hold every variable. "
+            "Add keys (regular expressions over `variable.path`) with "
+            "layouts, or use MirroredStrategy for data parallelism alone."
+        )
+    if plan.layout_map.allow_unmatched:
         return
     unmatched = plan.unmatched_keys(paths)
     if not unmatched:
         return
     lines = []
     for key in unmatched:
+        taken = {
+            p: plan.layout_map.key_for(p) for p in paths if re.fullmatch(key, p)
+        }
+        if taken:
+            # Every path it matches has an exact key (which wins).
+            lines.append(
+                f"  {key!r} matches {sorted(taken)[:3]}, but exact keys "
+                f"take them first ({sorted(set(taken.values()))[:3]})"
+            )
+            continue
         near = difflib.get_close_matches(key, paths, n=3, cutoff=0.0)
         lines.append(f"  {key!r} (nearest paths: {near})")
     raise LayoutError(
@@ -403,7 +424,8 @@ def check_unmatched(plan: Plan, paths: Sequence[str], what: str) -> None:
         "expressions matched against the whole `variable.path` (print "
         "`[v.path for v in model.variables]`). Fix the keys, or pass "
         "`LayoutMap(mesh, allow_unmatched=True)` to allow keys that match "
-        "nothing."
+        "nothing (each model is checked on its own: a map shared by "
+        "several models in one scope needs it)."
     )
 
 
