@@ -261,7 +261,8 @@ def _install_reduced_lookups(model) -> None:
     its output)."""
     for layer in glue.flatten_layers(model):
         if isinstance(layer, keras.layers.Embedding):
-            original = layer.call
+            # The class's call: installing twice (a recompile) wraps once.
+            original = type(layer).call.__get__(layer)
             layer.__dict__["call"] = _reduced_lookup(original)
 
 
@@ -271,12 +272,19 @@ def _reduced_lookup(original):
         if isinstance(outputs, DTensor) and any(
             p.is_partial() for p in outputs.placements
         ):
-            outputs = outputs.redistribute(
-                outputs.device_mesh,
-                [
-                    Replicate() if p.is_partial() else p
-                    for p in outputs.placements
-                ],
+            mesh = outputs.device_mesh
+            placements = tuple(
+                Replicate() if p.is_partial() else p for p in outputs.placements
+            )
+            # Through a plain tensor, so that the backward hands the
+            # lookup a gradient with these placements: a partial gradient
+            # (a later sum over the batch axis) cannot be redistributed to
+            # the masked partial placement (torch 2.13 refuses).
+            local = outputs.redistribute(mesh, placements).to_local(
+                grad_placements=placements
+            )
+            outputs = DTensor.from_local(
+                local, mesh, placements, run_check=False
             )
         return outputs
 
