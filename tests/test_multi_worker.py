@@ -5,6 +5,7 @@ plain Keras on one device from the same initial weights."""
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,6 +51,21 @@ def _launch(args, tmp_path, timeout=300):
         timeout=timeout,
     )
     return proc, time.monotonic() - start
+
+
+def _failure(proc) -> str:
+    """A failed job's story: every rank's first error line (the first to
+    fail may be far from the end of the output), then the output's tail."""
+    errors = [
+        line
+        for line in proc.stdout.splitlines()
+        if re.match(r"\[rank \d+\] [\w.]*(Error|Exception|Exit)\b", line)
+    ]
+    return (
+        "\n".join(errors[:10])
+        + "\n...\n"
+        + (proc.stdout[-3000:] + proc.stderr[-3000:])
+    )
 
 
 @pytest.mark.parametrize(
@@ -128,7 +144,7 @@ def test_mesh_across_two_workers_equals_one_device(tmp_path, strategy):
     if strategy == "model_parallel":
         args += ["--checkpoint", tmp_path / "ckpt"]
     proc, _ = _launch(args, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     replicas = 2 if strategy == "model_parallel" else 4
     assert f"workers=2 replicas={replicas}" in proc.stdout
     saved = np.load(tmp_path / "out" / "weights.npz")
