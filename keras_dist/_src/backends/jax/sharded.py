@@ -31,23 +31,11 @@ from keras_dist._src.keras_glue import internals as glue
 class _TensorLayout(keras_distribution.TensorLayout):
     """Keras's `TensorLayout`, also for an entry that names several mesh
     axes (a dimension split over their product): JAX's `PartitionSpec`
-    takes one, Keras's check of the axis names does not."""
+    takes one, Keras's check of the axis names does not. The layout was
+    checked already (`plan.check_variable_layout`, axis names included)."""
 
     def _validate_axes(self):
-        if self._device_mesh is None:
-            return
-        names = set()
-        for entry in self._axes:
-            if isinstance(entry, (tuple, list)):
-                names.update(entry)
-            elif entry is not None:
-                names.add(entry)
-        unknown = names - set(self._device_mesh.axis_names)
-        if unknown:
-            raise ValueError(
-                f"Invalid axis names for Layout: {sorted(unknown)}. Valid "
-                f"axis names: {list(self._device_mesh.axis_names)}."
-            )
+        pass
 
 
 class _PlanDistribution(keras_distribution.ModelParallel):
