@@ -228,12 +228,13 @@ print("TRAINING DONE", flush=True)
 """
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "raise"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "raise", "exit"])
 def test_killed_worker_stops_the_job(tmp_path, how):
     # SIGTERM without BackupAndRestore has its default action: JAX's and
     # TensorFlow's distributed services swallowed it (training went on to
-    # the end). An exception ends its worker at once: on JAX the worker
-    # waited in the shutdown barrier until the timeout.
+    # the end). An exception or `sys.exit(3)` ends its worker at once: on
+    # JAX the worker waited in the shutdown barrier until the timeout, and
+    # the job ended under rank 0's name with code 1.
     script = tmp_path / "killed.py"
     kill = "os.kill(os.getpid(), signal.SIGKILL)"
     script.write_text(
@@ -243,6 +244,7 @@ def test_killed_worker_stops_the_job(tmp_path, how):
                 "SIGKILL": kill,
                 "SIGTERM": "os.kill(os.getpid(), signal.SIGTERM)",
                 "raise": "raise RuntimeError('boom on rank 1')",
+                "exit": "sys.exit(3)",
             }[how],
         )
     )
@@ -258,6 +260,9 @@ def test_killed_worker_stops_the_job(tmp_path, how):
     if how == "raise":
         assert proc.returncode == 1
         assert "RuntimeError: boom on rank 1" in proc.stdout + proc.stderr
+    elif how == "exit":
+        assert proc.returncode == 3
+        assert "worker rank 1 exited with code 3" in proc.stderr
     else:
         assert f"worker rank 1 was killed by {how}" in proc.stderr
     assert seconds < 200

@@ -9,6 +9,7 @@ collectives run on the devices of every process.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 import sys
@@ -139,6 +140,7 @@ def _initialize(environment: ClusterEnvironment) -> None:
         _gloo_on(host)
     supervision.keep_sigterm_fatal()
     _exit_on_uncaught_exception()
+    _exit_at_once_on_failing_exit()
 
 
 def _exit_on_uncaught_exception() -> None:
@@ -163,6 +165,40 @@ def _exit_on_uncaught_exception() -> None:
             os._exit(1)
 
     sys.excepthook = hook
+
+
+def _exit_at_once_on_failing_exit() -> None:
+    """A worker whose program calls ``sys.exit(n)`` with a failing status
+    leaves the job at once with that status, as on TensorFlow and torch:
+    otherwise JAX's shutdown barrier (its exit handler) held it until the
+    liveness timeout while the others waited for it in a collective, and
+    the job ended under another rank's name and code. Finally blocks and the
+    exit handlers registered after this one have run by then; JAX's
+    shutdown does not. ``sys.exit()``, ``sys.exit(0)`` and keras_dist's own
+    preemption exit keep the orderly shutdown. Must run after
+    ``jax.distributed.initialize`` (exit handlers run last-in first-out)."""
+    original = sys.exit
+    requested = []
+
+    def exit(status=None):
+        requested.append(status)
+        original(status)
+
+    exit.__doc__ = original.__doc__
+    sys.exit = exit
+
+    def leave():
+        if not requested:
+            return
+        status = requested[-1]
+        code = status if isinstance(status, int) else int(status is not None)
+        if code == 0:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    atexit.register(leave)
 
 
 # Seconds a worker whose collective failed on a peer's exit waits before it
