@@ -272,15 +272,20 @@ keras.backend.clear_session()
 layouts = keras_dist.LayoutMap(mesh)
 layouts[".*mha/(query|key|value)/kernel"] = (None, "model", None)
 layouts[".*mha/attention_output/kernel"] = ("model", None, None)
+# A head split by rows after a LayerNormalization, and 15 sequences (an odd
+# last batch): DTensor split that batch's gradient unevenly by rows.
+layouts[".*head/kernel"] = ("model", None)
 strategy = keras_dist.ModelParallel(layouts, "batch")
 with strategy.scope():
     keras.utils.set_random_seed(rank)
     seq_in = keras.Input((6, 8))
     h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seq_in, seq_in)
-    model = keras.Model(seq_in, keras.layers.GlobalAveragePooling1D()(h))
+    h = keras.layers.LayerNormalization(name="ln")(seq_in + h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(seq_in, keras.layers.Dense(4, name="head")(h))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-seqs = rng.normal(size=(16, 6, 8)).astype("float32")
-targets = rng.normal(size=(16, 8)).astype("float32")
+seqs = rng.normal(size=(15, 6, 8)).astype("float32")
+targets = rng.normal(size=(15, 4)).astype("float32")
 init = model.get_weights()
 model.fit(seqs, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
 weights = model.get_weights()
@@ -544,13 +549,16 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     got = _load(tmp_path / "embedding_weights.npz")
     assert max_relative_difference(reference.get_weights(), got) <= 1e-5
 
-    # MultiHeadAttention with its heads split trains like one device.
+    # MultiHeadAttention with its heads split, then a LayerNormalization
+    # and a head split by rows, trains like one device (odd last batch too).
     assert logs["mha"][1] == ["None", "model", "None"], logs["mha"]
     data = np.load(tmp_path / "mha.npz")
     keras.backend.clear_session()
     seqs = keras.Input((6, 8))
     h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seqs, seqs)
-    reference = keras.Model(seqs, keras.layers.GlobalAveragePooling1D()(h))
+    h = keras.layers.LayerNormalization(name="ln")(seqs + h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    reference = keras.Model(seqs, keras.layers.Dense(4, name="head")(h))
     _train_reference(
         reference, keras.optimizers.SGD(0.1), tmp_path / "mha_init.npz",
         data["seqs"], data["targets"],

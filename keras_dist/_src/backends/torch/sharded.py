@@ -292,6 +292,41 @@ def _reduced_lookup(original):
     return call
 
 
+def _install_split_inputs(model) -> None:
+    """A `Dense` whose kernel is split by rows (its input features) over a
+    mesh axis on which its input is whole: the input is split by features
+    explicitly before the call. DTensor would split it inside the matmul
+    all the same, but then hands back the input's gradient split by
+    features, and a later layer's backward may re-split it by batch rows
+    instead: with a batch the axis does not divide (an odd last batch),
+    torch 2.13 then fails to reshape the uneven rows (``RuntimeError:
+    shape '[1, 15, 8]' is invalid``, a LayerNormalization and a
+    MultiHeadAttention before such a `Dense`). The explicit split's backward
+    gathers the gradient back to the input's own placement instead."""
+    for layer in glue.flatten_layers(model):
+        if isinstance(layer, keras.layers.Dense):
+            # The class's call: installing twice (a recompile) wraps once.
+            original = type(layer).call.__get__(layer)
+            layer.__dict__["call"] = _split_input_call(layer, original)
+
+
+def _split_input_call(layer, original):
+    def call(inputs, *args, **kwargs):
+        kernel = getattr(layer, "_kernel", None)
+        kernel = glue.variable_value(kernel) if kernel is not None else None
+        if isinstance(inputs, DTensor) and isinstance(kernel, DTensor):
+            placements = list(inputs.placements)
+            for axis, placement in enumerate(kernel.placements):
+                if placement.is_shard(0) and placements[axis].is_replicate():
+                    placements[axis] = Shard(inputs.ndim - 1)
+            if placements != list(inputs.placements):
+                inputs = inputs.redistribute(inputs.device_mesh, placements)
+        return original(inputs, *args, **kwargs)
+
+    call.__doc__ = getattr(original, "__doc__", None)
+    return call
+
+
 class _StepFunctions(ModelSteps):
     """Keras's own steps on DTensor batches and variables."""
 
@@ -308,6 +343,7 @@ class _StepFunctions(ModelSteps):
         model.__dict__["get_metrics_result"] = get_metrics_result
         install_global_dropout(model, _draw_global_mask(self.engine))
         _install_reduced_lookups(model)
+        _install_split_inputs(model)
         self._install_direct_calls()
         super().install()
 
