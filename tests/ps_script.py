@@ -254,6 +254,12 @@ def two_workers():
         "endless": lambda: model.fit(dataset.repeat(), epochs=1, verbose=0),
         "function": lambda: model.fit(dataset_fn, epochs=1, verbose=0),
         "pydataset": lambda: model.fit(Batches(), epochs=1, verbose=0),
+        "generator": lambda: model.fit(
+            (b for b in [(x[:BATCH], y[:BATCH])]), epochs=1, verbose=0
+        ),
+        "predict_generator": lambda: model.predict(
+            (b for b in [x[:BATCH]]), verbose=0
+        ),
         "split_dataset": lambda: model.fit(
             dataset, validation_split=0.25, verbose=0
         ),

@@ -121,6 +121,10 @@ def test_two_workers_evaluate_exact_and_errors(two_workers):
     assert "ShardedEmbedding" in two_workers["embedding_error"]
     assert "tf.data.Dataset" in errors["pydataset"]
     assert "evaluate" in errors["pydataset"]  # ... accept a PyDataset
+    # A generator: named, with what to pass (it was an IndexError).
+    assert "got a generator" in errors["generator"], errors["generator"]
+    assert "tf.data.Dataset" in errors["generator"]
+    assert "PyDataset" in errors["predict_generator"]
     assert "validation_data" in errors["split_dataset"]
     assert "keras.callbacks.BackupAndRestore(" in errors["step_backup"]
     assert two_workers["evaluate_pydataset"] == pytest.approx(

@@ -69,6 +69,36 @@ def _count(data) -> int:
     return int(np.shape(tree.flatten(data)[0])[0])
 
 
+def _refuse_python_iterators(x, method: str) -> None:
+    """A generator, an iterator or a torch DataLoader is none of the inputs
+    the ParameterServerStrategy loop takes: one clear error instead of an
+    IndexError from counting its samples."""
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or (
+        _is_dataset_function(x)
+    ):
+        return
+    leaves = [t for t in tree.flatten(x) if t is not None]
+    if leaves and all(np.ndim(t) > 0 for t in leaves):
+        return
+    if method == "fit":
+        why = (
+            "its Python code would run in the chief only, and the workers "
+            "run TensorFlow graphs. Pass NumPy arrays, a tf.data.Dataset "
+            "of TensorFlow ops (not from_generator), or a function that "
+            "builds a tf.data.Dataset on each worker (e.g. from files)."
+        )
+    else:
+        why = (
+            "pass NumPy arrays, a tf.data.Dataset (tf.data.Dataset."
+            "from_generator wraps a generator), a function that builds one, "
+            "or a keras.utils.PyDataset."
+        )
+    raise ValueError(
+        f"`{method}` under ParameterServerStrategy got a "
+        f"{type(x).__name__}, which it cannot read: {why}"
+    )
+
+
 def _is_dataset_function(x) -> bool:
     return callable(x) and not isinstance(
         x, (tf.data.Dataset, keras.utils.PyDataset)
@@ -209,6 +239,7 @@ class _TrainInput:
                 "`evaluate` and `predict` do accept a PyDataset (they run on "
                 "the chief)."
             )
+        _refuse_python_iterators(x, "fit")
         if isinstance(x, tf.data.Dataset):
             cardinality = int(x.cardinality())
             if steps is None:
@@ -342,6 +373,7 @@ def _local_batches(x, y, sample_weight, batch_size, steps):
         return _local_batches(dataset, None, None, None, steps)
     if isinstance(x, keras.utils.PyDataset):
         return (x[i] for i in range(steps or len(x)))
+    _refuse_python_iterators(x, "evaluate/predict")
     data = _pack(x, y, sample_weight)
     data = tree.map_structure(
         lambda t: None if t is None else np.asarray(t), data
