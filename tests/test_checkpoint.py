@@ -208,9 +208,16 @@ def test_save_replaces_only_what_it_wrote(tmp_path):
     checkpoint.save(model, root, step=6)
     os.remove(root / "ckpt-6" / "COMMIT")
     (root / ".ckpt-9.tmp-0123abcd").mkdir()
+    (root / ".ckpt-9.tmp-0123abcd" / "shards-00001.json.part").touch()
     (root / "notes.txt").write_text("mine too")
+    # A user's directory under a temporary's name holds other files: kept.
+    (root / ".ckpt-7.tmp-89abcdef").mkdir()
+    (root / ".ckpt-7.tmp-89abcdef" / "mine.txt").write_text("mine")
     checkpoint.save(model, root, step=6)
-    assert sorted(os.listdir(root)) == ["ckpt-5", "ckpt-6", "notes.txt"]
+    assert sorted(os.listdir(root)) == [
+        ".ckpt-7.tmp-89abcdef", "ckpt-5", "ckpt-6", "notes.txt"
+    ]  # fmt: skip
+    assert os.listdir(root / ".ckpt-7.tmp-89abcdef") == ["mine.txt"]
     assert checkpoint.latest(root).endswith("ckpt-6")
 
 

@@ -67,7 +67,12 @@ from keras_dist._src.checkpoint.reading import (  # noqa: F401
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 #: Names of interrupted writes, replaced and removed checkpoints.
-TEMP_NAME = re.compile(r"^\.ckpt-\d+\.(tmp|old|del)-[0-9a-f]+$")
+TEMP_NAME = re.compile(r"^\.ckpt-\d+\.(tmp|old|del)-[0-9a-f]{8}$")
+# What a checkpoint directory (or an interrupted write of one) may hold.
+_CHECKPOINT_MEMBER = re.compile(
+    r"^(arrays\.npz|metadata\.json|COMMIT"
+    r"|shards-\d{5}\.(npz|json|error))(\.part)?$"
+)
 _MAX_SMALL_FILE = 256 << 20  # metadata.json, COMMIT
 
 
@@ -526,5 +531,19 @@ def clean_temporaries(root: str) -> None:
     if not os.path.isdir(root):
         return
     for name in os.listdir(root):
-        if TEMP_NAME.match(name):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        path = os.path.join(root, name)
+        if TEMP_NAME.match(name) and _holds_only_checkpoint_files(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _holds_only_checkpoint_files(path: str) -> bool:
+    """Whether `path` is a directory (not a link) whose entries are all
+    names keras_dist writes into a checkpoint: a user's directory that
+    happens to carry a temporary's name is left alone."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return all(_CHECKPOINT_MEMBER.match(n) for n in names)
