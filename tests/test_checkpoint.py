@@ -537,15 +537,27 @@ def test_backup_deletes_only_its_own_files(tmp_path):
     # Its checkpoint and marker are gone; the user's file and so the
     # directory stay.
     assert sorted(os.listdir(root)) == ["user.txt"]
-    # A marked directory with a foreign file is refused too.
+    # A marked directory whose files came after the claim (a preempted
+    # run's ModelCheckpoint writing there): it resumes, names them, leaves
+    # them. (It refused, and a requeued job could not resume.)
     (root / "user.txt").unlink()
-    (root / "keras_dist_backup.json").write_text(
-        json.dumps({"owner": "keras_dist.callbacks.BackupAndRestore"})
-    )
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("crash in epoch 2")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(build(), [BackupAndRestore(str(root)), Crash()], epochs=2)
     (root / "other.bin").write_bytes(b"x")
-    with pytest.raises(ValueError, match="other.bin"):
-        fit(build(), [BackupAndRestore(str(root))], epochs=1)
-    assert sorted(os.listdir(root)) == ["keras_dist_backup.json", "other.bin"]
+    seen = []
+    began = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: seen.append(epoch)
+    )
+    fit(build(), [BackupAndRestore(str(root)), began], epochs=2)
+    assert seen == [1]  # resumed after the backed-up epoch
+    assert sorted(os.listdir(root)) == ["other.bin"]
+    assert (root / "other.bin").read_bytes() == b"x"
 
 
 # -- preemption at every position (issue 17) ---------------------------------

@@ -202,8 +202,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Makes sure `backup_dir` is this callback's own (collective).
 
         A missing or empty directory is claimed with `OWNER_FILE`; one
-        with the marker is resumed from; anything else (a user's own
-        checkpoints, other files) is refused, untouched.
+        with the marker is resumed from (other files put there since are
+        named in a warning and left untouched); anything else (a user's own
+        checkpoints, other files, no marker) is refused, untouched.
 
         Raises:
             ValueError: naming the files the callback did not write.
@@ -625,8 +626,17 @@ def _claim(directory: str):
     problem = _owner_problem(os.path.join(directory, OWNER_FILE))
     foreign = [n for n in names if not _is_ours(n)]
     if problem is None and foreign:
+        # Put there after the claim (a ModelCheckpoint writing into the
+        # same directory, say): refusing would leave a preempted job that
+        # has a backup unable to resume. They are never read or removed.
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        problem = f"it also holds files this callback did not write ({shown})"
+        _log(
+            None,
+            f"backup_dir {directory!r} also holds files BackupAndRestore "
+            f"did not write ({shown}); it leaves them untouched (and so "
+            "the directory at the end). Give the callback a directory of "
+            "its own.",
+        )
     if problem is not None:
         return (
             f"BackupAndRestore will not use backup_dir {directory!r}: "
