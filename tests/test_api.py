@@ -161,6 +161,22 @@ def test_model_cannot_move_to_another_strategy():
 
 
 @needs_multi
+def test_model_of_a_multi_device_strategy_names_it_under_one_device():
+    # It said "created outside strategy.scope()" on JAX.
+    with keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = build_model()
+    with keras_dist.MirroredStrategy(devices=["cpu:0"]).scope():
+        with pytest.raises(
+            (
+                keras_dist.StrategyMixingError,
+                keras_dist.VariablesOutsideScopeError,
+            ),
+            match="another",
+        ):
+            compile_model(model)
+
+
+@needs_multi
 def test_simulated_devices_requested_too_late():
     keras.ops.zeros((2,)) + 1  # the backend has started
     with pytest.raises(

@@ -70,11 +70,17 @@ class OneDeviceEngine:
         for variable in model.variables:
             devices = variable.value.devices()
             if devices != {self._device}:
+                where = (
+                    "under another strategy over several devices"
+                    if len(devices) > 1
+                    else "outside strategy.scope()"
+                )
                 raise VariablesOutsideScopeError(
                     f"Variable {variable.path!r} of model {model.name!r} "
                     f"lives on {sorted(map(str, devices))}, not on "
-                    f"{self.devices[0]}: it was created outside "
-                    "strategy.scope(). Build the model inside the scope."
+                    f"{self.devices[0]}: it was created {where}. Build "
+                    "the model inside the scope of the strategy that "
+                    "trains it."
                 )
 
     def run(self, fn, args, kwargs):
