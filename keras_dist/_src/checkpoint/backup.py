@@ -203,7 +203,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         A missing or empty directory is claimed with `OWNER_FILE`; one
         with the marker is resumed from (other files put there since are
-        named in a warning and left untouched); anything else (a user's own
+        named on stderr and left untouched); anything else (a user's own
         checkpoints, other files, no marker) is refused, untouched.
 
         Raises:

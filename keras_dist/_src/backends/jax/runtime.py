@@ -13,6 +13,7 @@ import atexit
 import inspect
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -175,13 +176,16 @@ def _exit_at_once_on_failing_exit() -> None:
     the job ended under another rank's name and code. Finally blocks and the
     exit handlers registered after this one have run by then; JAX's
     shutdown does not. ``sys.exit()``, ``sys.exit(0)`` and keras_dist's own
-    preemption exit keep the orderly shutdown. Must run after
+    preemption exit keep the orderly shutdown (as does a ``sys.exit`` in
+    another thread, which ends only that thread). Must run after
     ``jax.distributed.initialize`` (exit handlers run last-in first-out)."""
     original = sys.exit
     requested = []
 
     def exit(status=None):
-        requested.append(status)
+        # In another thread sys.exit ends only that thread.
+        if threading.current_thread() is threading.main_thread():
+            requested.append(status)
         original(status)
 
     exit.__doc__ = original.__doc__
