@@ -260,6 +260,9 @@ def test_killed_worker_stops_the_job(tmp_path, how):
     if how == "raise":
         assert proc.returncode == 1
         assert "RuntimeError: boom on rank 1" in proc.stdout + proc.stderr
+        # The launcher names the rank that raised (torch named rank 0,
+        # which another rank's failure had stopped).
+        assert "worker rank 1 exited with code 1" in proc.stderr
     elif how == "exit":
         assert proc.returncode == 3
         assert "worker rank 1 exited with code 3" in proc.stderr

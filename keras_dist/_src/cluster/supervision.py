@@ -23,6 +23,9 @@ ERROR_KEY = "keras_dist/error"
 
 # How often watch threads poll; tests set it low to widen exit-time races.
 POLL_SECONDS = float(os.environ.get("KERAS_DIST_POLL_SECONDS", "0.5"))
+# Seconds a rank stopped by another rank's reported failure waits before it
+# exits, so that the failed rank exits first and the launcher names it.
+PEER_FAILURE_GRACE = 3.0
 
 
 EXIT_CODE = 1
@@ -365,9 +368,11 @@ class Watchdog:
                     )
                 continue
             if error and not error.startswith(f"rank {self.rank}:"):
-                self._stop(error)
+                # Another rank failed and is exiting: let it go first, so
+                # that the launcher names it (it stops this one sooner).
+                self._stop(error, grace=PEER_FAILURE_GRACE)
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, grace: float = 0.0) -> None:
         if self.muted.is_set():
             return
         log(f"rank {self.rank} stopping because {reason}")
@@ -377,6 +382,8 @@ class Watchdog:
             except Exception:  # noqa: BLE001
                 pass
         sys.stdout.flush()
+        if grace:
+            time.sleep(grace)
         os._exit(EXIT_CODE)
 
 
