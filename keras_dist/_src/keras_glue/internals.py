@@ -285,6 +285,18 @@ def flatten_layers(model, include_self=False):
     return model._flatten_layers(include_self=include_self)
 
 
+def wrap_layer_calls(model, select, wrap) -> None:
+    """Gives every layer of `model` for which ``select(layer)`` holds the
+    call ``wrap(layer, original)``, `original` being its class's `call`
+    (bound): installing twice (a recompile) wraps the class's call once,
+    not the previous wrapper."""
+    for layer in flatten_layers(model):
+        if select(layer):
+            layer.__dict__["call"] = wrap(
+                layer, type(layer).call.__get__(layer)
+            )
+
+
 def original_batch_norm_moments(layer):
     """Keras's own private `BatchNormalization._moments(inputs, mask)` of
     `layer` (its class's method, bound), whatever the instance holds."""

@@ -259,14 +259,15 @@ def _install_reduced_lookups(model) -> None:
     The lookup's output is reduced right away instead (one all-reduce over
     the table's axis, as torch's `RowwiseParallel` embedding replicates
     its output)."""
-    for layer in glue.flatten_layers(model):
-        if isinstance(layer, keras.layers.Embedding):
-            # The class's call: installing twice (a recompile) wraps once.
-            original = type(layer).call.__get__(layer)
-            layer.__dict__["call"] = _reduced_lookup(original)
+    glue.wrap_layer_calls(
+        model, lambda layer: isinstance(layer, keras.layers.Embedding),
+        _reduced_lookup,
+    )  # fmt: skip
 
 
-def _reduced_lookup(original):
+def _reduced_lookup(layer, original):
+    del layer  # the lookup's output is all it needs
+
     def call(*args, **kwargs):
         outputs = original(*args, **kwargs)
         if isinstance(outputs, DTensor) and any(
@@ -303,11 +304,10 @@ def _install_split_inputs(model) -> None:
     shape '[1, 15, 8]' is invalid``, a LayerNormalization and a
     MultiHeadAttention before such a `Dense`). The explicit split's backward
     gathers the gradient back to the input's own placement instead."""
-    for layer in glue.flatten_layers(model):
-        if isinstance(layer, keras.layers.Dense):
-            # The class's call: installing twice (a recompile) wraps once.
-            original = type(layer).call.__get__(layer)
-            layer.__dict__["call"] = _split_input_call(layer, original)
+    glue.wrap_layer_calls(
+        model, lambda layer: isinstance(layer, keras.layers.Dense),
+        _split_input_call,
+    )  # fmt: skip
 
 
 def _split_input_call(layer, original):

@@ -123,10 +123,11 @@ def install_global_dropout(model, draw) -> None:
     Keras's call applies as it is. A training call with no mask and every
     call outside training is Keras's own.
     """
-    for layer in glue.flatten_layers(model):
-        if type(layer) is keras.layers.Dropout:
-            original = type(layer).call.__get__(layer)
-            layer.__dict__["call"] = _dropout_call(layer, original, draw)
+    glue.wrap_layer_calls(
+        model,
+        lambda layer: type(layer) is keras.layers.Dropout,
+        lambda layer, original: _dropout_call(layer, original, draw),
+    )
 
 
 def _dropout_call(layer, original, draw):
