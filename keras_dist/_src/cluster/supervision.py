@@ -119,6 +119,91 @@ def keep_sigterm_fatal() -> None:
     )
 
 
+_exit_requests: list = []
+
+
+def track_exit_requests() -> None:
+    """Records the status of every ``sys.exit`` of the main thread, so
+    that exit handlers can tell a failing exit (`failing_exit_code`).
+    Idempotent. ``raise SystemExit(n)`` and the ``exit()`` builtin are not
+    seen (Python gives exit handlers no exit status)."""
+    original = sys.exit
+    if getattr(original, "_keras_dist_tracked", False):
+        return
+
+    def exit(status=None):
+        # In another thread sys.exit ends only that thread.
+        if threading.current_thread() is threading.main_thread():
+            _exit_requests.append(status)
+        original(status)
+
+    exit.__doc__ = original.__doc__
+    exit._keras_dist_tracked = True
+    sys.exit = exit
+
+
+def failing_exit_code() -> int | None:
+    """The failing code this process is exiting with, as far as it is
+    seen from an exit handler: 1 after an uncaught exception in the main
+    thread, n after a main-thread ``sys.exit(n)`` with a failing status
+    (once `track_exit_requests` ran); None for a clean exit."""
+    if getattr(sys, "last_value", None) is not None:
+        return 1  # set by Python before it prints an uncaught exception
+    if not _exit_requests:
+        return None
+    status = _exit_requests[-1]
+    code = status if isinstance(status, int) else int(status is not None)
+    return code or None
+
+
+#: Key each rank but 0 sets in the job's store when its process exits.
+EXITED_KEY = "keras_dist/exited/{rank}"
+
+
+def leave_job(rank: int, world_size: int, set_key, wait_key) -> None:
+    """This process's last word to the job, from its exit handler.
+
+    Rank 0's process hosts the job's store (torch's rendezvous store,
+    TensorFlow's coordination service): when it exits, the others lose
+    it, and one still reading a value from it (the chief's outcome of a
+    `save_weights`, a last collective) fails although the job succeeded.
+    So a rank other than 0 sets `EXITED_KEY` as it exits, and rank 0, at a
+    clean exit, waits until every other rank has set it (at most the
+    liveness timeout) before its process and the store go. A failing rank
+    0 exits at once (the others then stop, as before).
+
+    Args:
+        rank, world_size: this process's place in the job.
+        set_key: ``set_key(key, text)`` sets a key in the job's store.
+        wait_key: ``wait_key(key, seconds)`` returns whether `key` was set
+            within `seconds`.
+    """
+    if world_size <= 1:
+        return
+    if rank != 0:
+        try:
+            set_key(EXITED_KEY.format(rank=rank), "1")
+        except Exception:  # noqa: BLE001 - rank 0 (the store) is gone.
+            pass
+        return
+    if failing_exit_code() is not None:
+        return
+    deadline = time.monotonic() + liveness_timeout()
+    for other in range(1, world_size):
+        left = deadline - time.monotonic()
+        try:
+            done = left > 0 and wait_key(EXITED_KEY.format(rank=other), left)
+        except Exception:  # noqa: BLE001 - the store's own error types
+            done = False
+        if not done:
+            log(
+                f"rank 0 waited {liveness_timeout()} s at its exit for rank "
+                f"{other} to finish, and it did not; rank 0 exits now, and "
+                "the job's store with it."
+            )
+            return
+
+
 def log(message: str) -> None:
     """Writes `message` to stderr, prefixed with keras_dist, and flushes."""
     sys.stderr.write(f"keras_dist: {message}\n")

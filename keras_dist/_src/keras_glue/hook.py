@@ -191,6 +191,7 @@ def _chief_writes(method, strategy, name):
     import os
     import shutil
     import tempfile
+    import time
 
     from keras_dist._src.errors import KerasDistError
 
@@ -231,7 +232,14 @@ def _chief_writes(method, strategy, name):
             runtime.publish(key, "ok")
             return result
         seconds = liveness_timeout()
+        start = time.monotonic()
         outcome = runtime.wait_for(key, seconds)
+        if outcome is None and time.monotonic() - start < seconds - 1:
+            raise KerasDistError(
+                f"`model.{name}({path!r})` lost the job's store before the "
+                "chief (process 0) said whether it wrote that file: the "
+                "chief's process, which hosts the store, died or exited."
+            )
         if outcome is None:
             raise KerasDistError(
                 f"`model.{name}({path!r})` waited {seconds} s for the chief "

@@ -13,7 +13,6 @@ import atexit
 import inspect
 import os
 import sys
-import threading
 import time
 
 import jax
@@ -179,25 +178,12 @@ def _exit_at_once_on_failing_exit() -> None:
     preemption exit keep the orderly shutdown (as does a ``sys.exit`` in
     another thread, which ends only that thread). Must run after
     ``jax.distributed.initialize`` (exit handlers run last-in first-out)."""
-    original = sys.exit
-    requested = []
-
-    def exit(status=None):
-        # In another thread sys.exit ends only that thread.
-        if threading.current_thread() is threading.main_thread():
-            requested.append(status)
-        original(status)
-
-    exit.__doc__ = original.__doc__
-    sys.exit = exit
+    supervision.track_exit_requests()
 
     def leave():
-        if not requested:
-            return
-        status = requested[-1]
-        code = status if isinstance(status, int) else int(status is not None)
-        if code == 0:
-            return
+        code = supervision.failing_exit_code()
+        if code is None or getattr(sys, "last_value", None) is not None:
+            return  # an uncaught exception: the excepthook ends the process
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -10,6 +10,7 @@ key-value store and `barrier` is its barrier.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import itertools
 
@@ -140,6 +141,18 @@ class TfRuntime(_StoreRuntime):
         # service, before TensorFlow lists its devices.
         self.tf_strategy = new_strategy(environment)
         supervision.keep_sigterm_fatal()
+        # The chief's process hosts the coordination service: registered
+        # after TensorFlow's own exit handlers, so this one runs first.
+        supervision.track_exit_requests()
+        atexit.register(self._leave)
+
+    def _leave(self) -> None:
+        supervision.leave_job(
+            self.rank,
+            self.world_size,
+            self.publish,
+            lambda key, seconds: self.wait_for(key, seconds) is not None,
+        )
 
 
 def create_runtime(kind, devices, environment=None):

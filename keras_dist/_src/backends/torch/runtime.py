@@ -49,6 +49,7 @@ class _Job:
         self.watchdog = None
         self.children = launched_children
         self._report_store = None
+        self._watch_store = None
         self._addr = environment.coordinator_host
         self._port = environment.coordinator_port
 
@@ -91,6 +92,7 @@ class _Job:
         if client is None:
             return
         lock_free = {"store": client}
+        self._watch_store = client  # reused at exit, once the watch ended
 
         def check_error():
             store = lock_free["store"]
@@ -115,6 +117,27 @@ class _Job:
         """Ends the watchdog thread before the interpreter finalizes."""
         if self.watchdog is not None:
             self.watchdog.stop()
+
+    def leave(self) -> None:
+        """At exit: rank 0, which hosts the rendezvous store, waits for
+        the other ranks to leave (`supervision.leave_job`), its watchdog
+        still running; the others stop theirs and say they left."""
+        if self._watch_store is None:
+            return  # no store of keras_dist's to keep alive
+        if self.rank == 0:
+            client = self._client()
+
+            def wait_key(key, seconds):
+                client.wait([key], datetime.timedelta(seconds=seconds))
+                return True
+
+            supervision.leave_job(0, self.world_size, None, wait_key)
+            self.stop_watchdog()
+            return
+        self.stop_watchdog()
+        supervision.leave_job(
+            self.rank, self.world_size, self._watch_store.set, None
+        )
 
 
 _job: _Job | None = None
@@ -240,6 +263,7 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
             )
         )
     _install_excepthook(_job)
+    supervision.track_exit_requests()
     _init_process_group("nccl" if gpu else "gloo", environment, listener)
     _job.start_watchdog()
     import atexit
@@ -361,6 +385,7 @@ def _init_process_group(backend, environment, listener=None) -> None:
 
 def _shutdown() -> None:
     if _job is not None:
+        _job.leave()
         _job.stop_watchdog()
         if _job.supervisor is not None:
             # Keep the rendezvous store (hosted here) alive until every
