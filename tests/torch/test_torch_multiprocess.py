@@ -455,6 +455,37 @@ with open(f"{out}.r{rank}.json", "w") as f:
     json.dump({"replicas": strategy.num_replicas_in_sync,
                "launched": len(torch_runtime._job.children),
                "weights": [w.tolist() for w in model.get_weights()]}, f)
+# Every rank saves, the chief writes; it may end its program before rank 1
+# reads the outcome from the store that rank 0's process may host (rank 1
+# sleeps for sys.argv[2] s, longer than rank 0 takes to exit).
+if rank and len(sys.argv) > 2:
+    import time; time.sleep(float(sys.argv[2]))
+model.save_weights(f"{out}.weights.h5")
+"""
+
+#: The same script in the processes of `torch.multiprocessing.spawn`, with
+#: the process group started by the program (rank 0 hosts its store).
+SPAWN = """
+import os, socket, sys
+
+
+def main(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    sys.argv = [sys.argv[0], out, "4"]
+    with open(os.path.join(os.path.dirname(__file__), "join.py")) as f:
+        exec(f.read(), {"__name__": "__main__"})
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    mp.spawn(main, args=(port, sys.argv[1]), nprocs=2)
 """
 
 
@@ -468,13 +499,15 @@ def _check_joined(tmp_path, prefix):
         assert result["replicas"] == 2
         assert result["launched"] == 0  # joined: started no process
     assert results[0]["weights"] == results[1]["weights"]
+    assert (tmp_path / f"{prefix}.weights.h5").is_file()
 
 
 @pytest.mark.multi_process
 @pytest.mark.slow
-def test_joins_torchrun_and_slurm_jobs(tmp_path):
+def test_joins_torchrun_slurm_and_spawned_jobs(tmp_path):
     script = tmp_path / "join.py"
     script.write_text(PRELUDE + textwrap.dedent(JOIN))
+    (tmp_path / "spawn.py").write_text(SPAWN)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -499,7 +532,7 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
     logs = [open(tmp_path / f"slurm{r}.log", "w+") for r in (0, 1)]
     tasks = [
         subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "slurm")],
+            [sys.executable, str(script), str(tmp_path / "slurm"), "4"],
             env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **slurm),
             stdout=logs[r],
             stderr=subprocess.STDOUT,
@@ -512,6 +545,14 @@ def test_joins_torchrun_and_slurm_jobs(tmp_path):
         assert task.returncode == 0, log.read()[-3000:]
         log.close()
     _check_joined(tmp_path, "slurm")
+    # A process group the program starts, under torch.multiprocessing.spawn:
+    # rank 1's last read of the store failed once rank 0 had exited.
+    spawned = subprocess.run(
+        [sys.executable, str(tmp_path / "spawn.py"), str(tmp_path / "spawn")],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert spawned.returncode == 0, spawned.stderr[-3000:]
+    _check_joined(tmp_path, "spawn")
 
 
 def test_which_calls_read_metric_values_every_step(tmp_path):

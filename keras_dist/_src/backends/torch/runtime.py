@@ -8,6 +8,7 @@ supervises the started children and watches for failures of other ranks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -123,7 +124,14 @@ class _Job:
         the other ranks to leave (`supervision.leave_job`), its watchdog
         still running; the others stop theirs and say they left."""
         if self._watch_store is None:
-            return  # no store of keras_dist's to keep alive
+            # A process group the program started: its store, if one is
+            # known (MASTER_ADDR and MASTER_PORT), may be rank 0's too.
+            try:
+                self._watch_store = self._client()
+            except Exception:  # noqa: BLE001 - unreachable: nothing to keep
+                return
+            if self._watch_store is None:
+                return
         if self.rank == 0:
             client = self._client()
 
@@ -194,6 +202,8 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
             ),
             {},
         )
+        supervision.track_exit_requests()
+        atexit.register(_job.leave)
         return _job
     children = {}
     listener = None
@@ -266,8 +276,6 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
     supervision.track_exit_requests()
     _init_process_group("nccl" if gpu else "gloo", environment, listener)
     _job.start_watchdog()
-    import atexit
-
     atexit.register(_shutdown)
     return _job
 
