@@ -31,6 +31,11 @@ parser.add_argument(
 )
 parser.add_argument("--init", default=None, help="initial weights (.npz)")
 parser.add_argument(
+    "--shuffle",
+    action="store_true",
+    help="shuffle every epoch (every worker draws the chief's order)",
+)
+parser.add_argument(
     "--strategy",
     default="multi_worker",
     choices=["multi_worker", "model_parallel", "sharded"],
@@ -83,7 +88,7 @@ history = model.fit(
     y,
     batch_size=args.batch_size,
     epochs=args.epochs,
-    shuffle=False,
+    shuffle=args.shuffle,
     verbose=2,  # only the chief prints
     callbacks=callbacks,
 )

@@ -76,7 +76,12 @@ def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
     # With 2 devices a worker, batches of 50 (all full, parts of 13 and
     # 12) and Dropout: each replica must hold its own place's part (its
     # masks are one device's rows there), on TF's native rebatching too.
+    # With 1 device a worker, Keras's default shuffle=True: the workers seed
+    # differently (1234 + rank), and each must draw the chief's order. On
+    # TF they drew their own (Keras shuffles with TF's seeds there), so an
+    # epoch used some samples twice and others never.
     batch_size, dropout = (30, 0.0) if devices_per_worker == 1 else (50, 0.3)
+    shuffle = devices_per_worker == 1
     keras.utils.set_random_seed(7)
     model = _build(dropout)
     np.savez(tmp_path / "init.npz", *model.get_weights())
@@ -86,8 +91,9 @@ def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
         metrics=["accuracy"],
     )
     x, y = _data()
+    keras.utils.set_random_seed(1234)  # the chief's seed in the example
     history = model.fit(
-        x, y, batch_size=batch_size, epochs=3, shuffle=False, verbose=0
+        x, y, batch_size=batch_size, epochs=3, shuffle=shuffle, verbose=0
     )
     expected_eval = model.evaluate(x, y, batch_size=50, verbose=0)
     expected_predictions = model.predict(x, batch_size=64, verbose=0)
@@ -97,7 +103,7 @@ def test_two_workers_equal_one_device(tmp_path, devices_per_worker):
         args += ["--cpu-devices-per-process", devices_per_worker]
     args += [EXAMPLE, "--init", tmp_path / "init.npz"]
     args += ["--batch-size", batch_size, "--dropout", dropout]
-    args += ["--out", tmp_path / "out"]
+    args += ["--out", tmp_path / "out"] + (["--shuffle"] if shuffle else [])
     proc, _ = _launch(args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     replicas = 2 * devices_per_worker

@@ -20,8 +20,11 @@ simulated CPUs each train 4 replicas. Every worker needs the same count.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import (
     collective_all_reduce_strategy as tf_collective,
@@ -36,6 +39,7 @@ from keras_dist._src.cluster.environments import ClusterConfigError
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.core import policies
 from keras_dist._src.core.lockstep import GatheredAdapter
+from keras_dist._src.core.rng import replicate_chief_generators
 
 
 def _cluster_resolver(environment):
@@ -161,6 +165,16 @@ class MultiWorkerEngine(MirroredEngine):
         self.runtime = runtime
         _check_same_device_count(self.tf_strategy, runtime)
 
+    @contextlib.contextmanager
+    def call_scope(self):
+        """fit/evaluate/predict start from the chief's random state on every
+        worker (`tf_seed_state`), then run in the strategy's scope."""
+        replicate_chief_generators(
+            self.runtime, get_extra=tf_seed_state, set_extra=set_tf_seed_state
+        )
+        with self.tf_strategy.scope():
+            yield
+
     def prepare_call(self, name, method, args, kwargs):
         """FILE/OFF input: each worker reads its share (`core.policies`)
         and `GatheredAdapter` assembles the global batches through the
@@ -174,6 +188,46 @@ class MultiWorkerEngine(MirroredEngine):
         return policies.prepare_worker_call(
             self, name, method, args, kwargs, wrap
         )
+
+
+def tf_seed_state() -> np.ndarray:
+    """TensorFlow's global seed and the generator its unseeded random ops
+    draw their op seeds from, as int64s (with Python's and NumPy's states
+    these are what a worker's shuffles depend on).
+
+    Keras shuffles NumPy input on this backend with ``tf.random.shuffle``
+    in its tf.data pipeline; workers with different (or no) seeds drew
+    different permutations, so their global batches differed and an epoch
+    used some samples twice and others not at all. A process without a
+    global seed gets one drawn here at random (its random ops stay as
+    random as before), so that the chief has a state to hand on.
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    if ctx._seed is None:  # noqa: SLF001 - TF keeps its eager seed here
+        tf.random.set_seed(random.SystemRandom().randrange(2**31))
+    version, keys, gauss = ctx._rng.getstate()  # noqa: SLF001
+    gauss_bits = np.array([gauss or 0.0], np.float64).view(np.int64)
+    head = [int(ctx._seed), version, int(gauss is not None)]  # noqa: SLF001
+    return np.concatenate([np.asarray(head, np.int64), gauss_bits, keys])
+
+
+def set_tf_seed_state(vector: np.ndarray) -> None:
+    """Sets TensorFlow's global seed and op-seed generator from
+    `tf_seed_state`'s vector."""
+    from tensorflow.python.eager import context
+
+    seed, version, has_gauss = (int(v) for v in vector[:3])
+    gauss = float(vector[3:4].view(np.float64)[0]) if has_gauss else None
+    ctx = context.context()
+    if ctx._seed != seed:  # noqa: SLF001
+        # Also clears TensorFlow's kernel caches, which restarts the
+        # reshuffling of datasets made before: only when it changes.
+        tf.random.set_seed(seed)
+    ctx._rng.setstate(  # noqa: SLF001
+        (version, tuple(int(v) for v in vector[4:]), gauss)
+    )
 
 
 def _check_same_device_count(strategy, runtime):
