@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 
 import keras
 
@@ -63,6 +64,169 @@ def is_file_dataset(dataset) -> bool:
     except Exception:  # noqa: BLE001 - not serialisable: not file-backed.
         return False
     return bool(_FILE_READERS.search(graph.numpy()))
+
+
+_SHUFFLES = re.compile(r"^Shuffle(AndRepeat)?Dataset(V\d)?$")
+#: dataset -> the dataset `agree_on_order` gave for it (itself, or its
+#: rebuild, whose shuffles then reshuffle on from one call to the next).
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _dataset_graph(dataset):
+    """`dataset`'s serialized graph as a GraphDef, or None."""
+    import tensorflow as tf
+
+    try:
+        serialized = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=dataset._variant_tensor
+        ).numpy()
+    except Exception:  # noqa: BLE001 - not serialisable: nothing to read
+        return None
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized)
+    return graph
+
+
+def _shuffle_seed_nodes(graph) -> list:
+    """``(seed Const node or None, seed2 Const node or None, shuffle node,
+    nodes by name)`` for every shuffle of `graph` and its functions, in
+    graph order."""
+    bodies = [list(graph.node)]
+    bodies += [list(f.node_def) for f in graph.library.function]
+    found = []
+    for nodes in bodies:
+        by_name = {node.name: node for node in nodes}
+        for node in nodes:
+            if _SHUFFLES.match(node.op) and len(node.input) >= 4:
+                consts = []
+                for name in node.input[2:4]:
+                    source = by_name.get(name.lstrip("^").split(":")[0])
+                    ok = source is not None and source.op == "Const"
+                    ok = ok and len(source.attr["value"].tensor.int64_val) == 1
+                    consts.append(source if ok else None)
+                found.append((*consts, node, by_name))
+    return found
+
+
+def _seeds_of(graph) -> list:
+    """The ``[seed, seed2]`` of every shuffle in a dataset's GraphDef and
+    its functions, in graph order (a seed that is not a constant is -1;
+    None, a graph that could not be read: empty). ``[0, 0]`` is a shuffle
+    without a seed (neither its own nor TensorFlow's global one): it draws
+    a new order in every process."""
+    if graph is None:
+        return []
+    return [
+        [-1 if c is None else int(c.attr["value"].tensor.int64_val[0])
+         for c in (seed, seed2)]
+        for seed, seed2, _, _ in _shuffle_seed_nodes(graph)
+    ]  # fmt: skip
+
+
+def _reseeded(dataset, graph, seeds):
+    """`dataset` rebuilt from its GraphDef `graph` (changed in place) with
+    its shuffles' seeds set to `seeds` (pairs, in `_seeds_of`' order),
+    each with a seed generator of its own made from them (as
+    ``Dataset.shuffle`` makes one)."""
+    import tensorflow as tf
+    from tensorflow.python.data.ops import dataset_ops
+
+    for (seed, seed2, node, by_name), pair in zip(
+        _shuffle_seed_nodes(graph), seeds
+    ):
+        for const, value in zip((seed, seed2), pair):
+            const.attr["value"].tensor.int64_val[0] = int(value)
+        if len(node.input) > 4:
+            # An eager shuffle's serialized seed generator is a handle to
+            # this process's own resource: a new one, from the new seeds.
+            source = by_name.get(node.input[4].lstrip("^").split(":")[0])
+            if source is not None and source.op == "Const":
+                source.op = "DummySeedGenerator"
+                source.ClearField("attr")
+    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
+    return dataset_ops._VariantDataset(variant, dataset.element_spec)
+
+
+def agree_on_order(dataset, what: str, runtime):
+    """`dataset`, shuffling in the same order on every process.
+
+    With ``DATA`` each process reads the whole dataset and keeps its part
+    of every global batch, so processes whose orders differ assemble
+    batches no device would see: an epoch uses some samples twice and
+    others never. That is what a ``Dataset.shuffle`` without a seed does
+    (the official multi-worker tutorials' datasets), and one seeded
+    differently on each process. Such a dataset is rebuilt on every
+    process from its graph with the chief's seeds (a shuffle the chief
+    made without one gets a pair drawn now, at random); a dataset whose
+    shuffles already agree is returned as it is. The outcome is kept for
+    the dataset's next calls (when every process has it). Collective.
+
+    Raises:
+        ValueError: on every process, when the processes' datasets have
+            different numbers of shuffles or seeds that are not constants,
+            or the graph cannot be rebuilt; the message says what to do.
+    """
+    import random
+    import zlib
+
+    import numpy as np
+
+    known = _AGREED.get(dataset)
+    hits = runtime.all_gather(np.asarray([known is not None], np.int64))
+    if all(int(hit[0]) for hit in hits):
+        return known
+    graph = _dataset_graph(dataset)
+    seeds = _seeds_of(graph)
+    unseeded = any(pair == [0, 0] for pair in seeds)
+    unknown = any(-1 in pair for pair in seeds)
+    summary = [zlib.crc32(repr(seeds).encode()), len(seeds)]
+    summary += [int(unseeded), int(unknown)]
+    everyone = runtime.all_gather(np.asarray(summary, np.int64))
+    digests = {int(v[0]) for v in everyone}
+    if len(digests) == 1 and not any(int(v[2]) for v in everyone):
+        _AGREED[dataset] = dataset
+        return dataset
+    advice = (
+        "Give `Dataset.shuffle` the same `seed=` on every process, or call "
+        "`keras.utils.set_random_seed(s)` with the same s on every process "
+        "before building the dataset; or give each process its own data "
+        "with `InputOptions(ShardPolicy.OFF)` (FILE for files)."
+    )
+    counts = {int(v[1]) for v in everyone}
+    if len(counts) > 1 or any(int(v[3]) for v in everyone):
+        raise ValueError(
+            f"The tf.data.Dataset passed as {what} shuffles differently on "
+            "different processes, and keras_dist cannot give them one order "
+            "(the processes' datasets differ, or a shuffle's seed is not a "
+            "constant). Each process reads the whole dataset "
+            "(ShardPolicy.DATA) and keeps its part of every global batch, "
+            "so the processes would assemble batches no device would see. "
+            + advice
+        )
+    draw = random.SystemRandom()
+    mine = np.asarray(
+        [
+            pair if pair != [0, 0] else [draw.randrange(1, 2**31)] * 2
+            for pair in seeds
+        ],
+        np.int64,
+    ).reshape(-1, 2)
+    chosen = runtime.broadcast(mine, 0)
+    try:
+        rebuilt = _reseeded(dataset, graph, chosen.tolist())
+        failure = ""
+    except Exception as error:  # noqa: BLE001 - reported on every process
+        rebuilt, failure = None, f"{type(error).__name__}: {error}"
+    failures = runtime.all_gather(failure)
+    failed = next((f for f in failures if f), "")
+    if failed:
+        raise ValueError(
+            f"The tf.data.Dataset passed as {what} shuffles differently on "
+            "different processes, and rebuilding it with the chief's seeds "
+            f"failed ({failed}). " + advice
+        )
+    _AGREED[dataset] = rebuilt
+    return rebuilt
 
 
 def resolve_policy(policy: ShardPolicy, x, is_chief: bool = True):
@@ -185,10 +349,13 @@ def prepare_worker_call(engine, name, method, args, kwargs, wrap):
         engine.runtime.rank,
         engine.runtime.world_size,
         wrap,
+        engine.runtime,
     )
 
 
-def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
+def prepare_arguments(
+    name, method, args, kwargs, policy, rank, world, wrap, runtime=None
+):
     """Applies the shard policy to the input arguments of `name`.
 
     For ``FILE``/``OFF``, replaces ``x`` (and ``validation_data``) with
@@ -205,6 +372,8 @@ def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
         rank: this process's index.
         world: the number of processes.
         wrap: the backend's lockstep adapter: ``wrap(inner, what)``.
+        runtime: the processes' Runtime; with it, a `tf.data.Dataset` read
+            by ``DATA`` shuffles alike on every process (`agree_on_order`).
 
     Returns:
         The new ``(args, kwargs)``.
@@ -217,6 +386,9 @@ def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
     where = dict(rank=rank, world=world, wrap=wrap)
     chief = rank == 0
     x_policy = resolve_policy(policy, x, chief)
+    if x_policy is ShardPolicy.DATA and runtime is not None:
+        if world > 1 and glue.is_tf_dataset(x):
+            arguments["x"] = agree_on_order(x, "x", runtime)
     if x_policy is not ShardPolicy.DATA:
         if name == "fit":
             extra = {
@@ -243,6 +415,11 @@ def prepare_arguments(name, method, args, kwargs, policy, rank, world, wrap):
     if validation is not None and not isinstance(validation, glue.DataAdapter):
         vx, vy, vw = keras.utils.unpack_x_y_sample_weight(validation)
         v_policy = resolve_policy(policy, vx, chief)
+        if v_policy is ShardPolicy.DATA and runtime is not None:
+            if world > 1 and glue.is_tf_dataset(validation):
+                arguments["validation_data"] = agree_on_order(
+                    validation, "validation_data", runtime
+                )
         if v_policy is not ShardPolicy.DATA:
             arguments["validation_data"] = _local_input(
                 v_policy,

@@ -197,6 +197,7 @@ def prepare_arguments(engine, name, method, args, kwargs):
         engine.rank,
         engine.world_size,
         lambda inner, what: AgreedAdapter(engine, inner, what),
+        engine.runtime,
     )
 
 
