@@ -367,6 +367,41 @@ def test_saving_on_the_chief_alone_lets_the_job_go_on(tmp_path):
         np.testing.assert_allclose(np.float64(epochs), expected, rtol=1e-5)
 
 
+CHIEF_ONLY = """
+import keras, numpy as np
+import keras_dist
+
+strategy = keras_dist.MultiWorkerMirroredStrategy()
+x = np.ones((64, 4), "float32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+model.fit(x, x[:, :1], batch_size=16, verbose=0)
+if strategy.is_chief:  # torch's `rank == 0` idiom, for a collective call
+    model.evaluate(x, x[:, :1], verbose=0)
+"""
+
+
+def test_a_call_on_the_chief_alone_fails_at_once(tmp_path):
+    # evaluate on the chief alone waited in its first collective for a
+    # worker that had ended its program: on JAX for ever (that worker is
+    # alive in JAX's shutdown barrier; the job ran past 300 s with a 60 s
+    # timeout), on TF and torch until a transport error that blamed a crash.
+    script = tmp_path / "chief_only.py"
+    script.write_text(CHIEF_ONLY)
+    os.environ["KERAS_DIST_TIMEOUT"] = "400"
+    try:
+        proc, seconds = _launch(["--nproc-per-node", 2, script], tmp_path)
+    finally:
+        del os.environ["KERAS_DIST_TIMEOUT"]
+    assert proc.returncode == 1, _failure(proc)
+    assert (
+        "Rank 0 called `evaluate` after rank 1 had finished the program"
+        in proc.stdout
+    ), _failure(proc)
+    assert seconds < 200
+
+
 HUNG = KILLED.replace(
     "os.kill(os.getpid(), signal.SIGKILL)", "import time; time.sleep(3600)"
 )

@@ -160,31 +160,34 @@ def failing_exit_code() -> int | None:
 EXITED_KEY = "keras_dist/exited/{rank}"
 
 
-def leave_job(rank: int, world_size: int, set_key, wait_key) -> None:
+def leave_job(rank: int, world_size: int, set_key, wait_key=None) -> None:
     """This process's last word to the job, from its exit handler.
 
-    Rank 0's process hosts the job's store (torch's rendezvous store,
-    TensorFlow's coordination service): when it exits, the others lose
-    it, and one still reading a value from it (the chief's outcome of a
+    Every rank sets `EXITED_KEY` as it exits (`agree_on_call` reads it: a
+    call that waits for a rank that has left fails at once). Rank 0's
+    process hosts the job's store (torch's rendezvous store, TensorFlow's
+    coordination service): when it exits, the others lose it, and one
+    still reading a value from it (the chief's outcome of a
     `save_weights`, a last collective) fails although the job succeeded.
-    So a rank other than 0 sets `EXITED_KEY` as it exits, and rank 0, at a
-    clean exit, waits until every other rank has set it (at most the
-    liveness timeout) before its process and the store go. A failing rank
-    0 exits at once (the others then stop, as before).
+    So rank 0, at a clean exit, also waits until every other rank has set
+    its key (at most the liveness timeout) before its process and the
+    store go. A failing rank 0 exits at once (the others then stop, as
+    before).
 
     Args:
         rank, world_size: this process's place in the job.
         set_key: ``set_key(key, text)`` sets a key in the job's store.
         wait_key: ``wait_key(key, seconds)`` returns whether `key` was set
-            within `seconds`.
+            within `seconds`; None: rank 0 does not wait (JAX's shutdown
+            barrier waits instead).
     """
     if world_size <= 1:
         return
-    if rank != 0:
-        try:
-            set_key(EXITED_KEY.format(rank=rank), "1")
-        except Exception:  # noqa: BLE001 - rank 0 (the store) is gone.
-            pass
+    try:
+        set_key(EXITED_KEY.format(rank=rank), "1")
+    except Exception:  # noqa: BLE001 - rank 0 (the store) is gone.
+        pass
+    if rank != 0 or wait_key is None:
         return
     if failing_exit_code() is not None:
         return
@@ -202,6 +205,72 @@ def leave_job(rank: int, world_size: int, set_key, wait_key) -> None:
                 "the job's store with it."
             )
             return
+
+
+_CALLS = iter(range(1, 1 << 62))
+
+
+def agree_on_call(runtime, name: str) -> None:
+    """Makes sure every process makes this `fit`/`evaluate`/`predict` call.
+
+    They are collective: a call made on some processes only (``if
+    strategy.is_chief: model.evaluate(...)``) waited in its first
+    collective for processes that never came, until a timeout, and on
+    JAX for ever (a peer waiting in JAX's shutdown barrier is alive).
+    Every process now publishes the name of its n-th call in the job's
+    store and reads the others': a rank that has left the program
+    (`EXITED_KEY`), a rank that makes another call, or none within the
+    liveness timeout, fails the call at once with what to do.
+
+    Args:
+        runtime: the job's Runtime (`publish`, `wait_for`, rank and
+            world size; a store of key-values).
+        name: the call (``"fit"``, ``"evaluate"``, ``"predict"``).
+
+    Raises:
+        KerasDistError: naming the rank and what it did instead.
+    """
+    from keras_dist._src.errors import KerasDistError
+
+    number = next(_CALLS)
+    me = runtime.rank
+    runtime.publish(f"keras_dist/call/{number}/{me}", name)
+    timeout = liveness_timeout()
+    deadline = time.monotonic() + timeout
+    collective = (
+        f"`{name}` is collective: call fit, evaluate and predict on every "
+        "process, with the same arguments (not under `if "
+        "strategy.is_chief:`)."
+    )
+    for other in range(runtime.world_size):
+        if other == me:
+            continue
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KerasDistError(
+                    f"Rank {me} called `{name}` (its call {number}), and rank "
+                    f"{other} did not make a call {number} within {timeout} "
+                    f"s (KERAS_DIST_TIMEOUT). " + collective
+                )
+            start = time.monotonic()
+            slice_ = min(1.0, left)
+            key = f"keras_dist/call/{number}/{other}"
+            called = runtime.wait_for(key, slice_)
+            if called is not None:
+                break
+            if runtime.wait_for(EXITED_KEY.format(rank=other), 0.001):
+                raise KerasDistError(
+                    f"Rank {me} called `{name}` after rank {other} had "
+                    f"finished the program. " + collective
+                )
+            if time.monotonic() - start < slice_ / 2:
+                time.sleep(slice_ / 2)  # the store is gone: the watch ends it
+        if called != name:
+            raise KerasDistError(
+                f"Rank {me} called `{name}` while rank {other} called "
+                f"`{called}` (their call {number}). " + collective
+            )
 
 
 def log(message: str) -> None:

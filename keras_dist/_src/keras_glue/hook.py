@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+from keras_dist._src.cluster import supervision
 from keras_dist._src.context import current_strategy
 from keras_dist._src.core.inputs import check_call_inputs
 from keras_dist._src.keras_glue.callbacks import gate_call_arguments
@@ -297,6 +298,12 @@ def _in_scope(method, strategy, name):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         check_call_inputs(name, method, args, kwargs)
+        from keras_dist._src.context import current_call
+
+        runtime = strategy.runtime
+        if current_call() is None and runtime.world_size > 1:
+            if runtime.has_key_values:
+                supervision.agree_on_call(runtime, name)
         with strategy._call_scope(name):
             args, kwargs = engine.prepare_call(name, method, args, kwargs)
             # After the engine's own look at the caller's arguments (which

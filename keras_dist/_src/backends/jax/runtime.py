@@ -140,6 +140,15 @@ def _initialize(environment: ClusterEnvironment) -> None:
         _gloo_on(host)
     supervision.keep_sigterm_fatal()
     _exit_on_uncaught_exception()
+    # Before JAX's shutdown barrier (exit handlers run last-in first-out):
+    # a call still waiting for this process fails at once.
+    client = distributed.global_state.client
+    atexit.register(
+        supervision.leave_job,
+        environment.rank,
+        environment.world_size,
+        client.key_value_set,
+    )
     _exit_at_once_on_failing_exit()
 
 

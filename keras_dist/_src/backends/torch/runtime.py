@@ -139,7 +139,7 @@ class _Job:
                 client.wait([key], datetime.timedelta(seconds=seconds))
                 return True
 
-            supervision.leave_job(0, self.world_size, None, wait_key)
+            supervision.leave_job(0, self.world_size, client.set, wait_key)
             self.stop_watchdog()
             return
         self.stop_watchdog()
