@@ -11,6 +11,7 @@ process that started the others (rank 0 of a relaunched job, or
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import signal
 import subprocess
@@ -156,7 +157,7 @@ def failing_exit_code() -> int | None:
     return code or None
 
 
-#: Key each rank but 0 sets in the job's store when its process exits.
+#: Key every rank sets in the job's store when its process exits.
 EXITED_KEY = "keras_dist/exited/{rank}"
 
 
@@ -207,7 +208,7 @@ def leave_job(rank: int, world_size: int, set_key, wait_key=None) -> None:
             return
 
 
-_CALLS = iter(range(1, 1 << 62))
+_CALLS = itertools.count(1)
 
 
 def agree_on_call(runtime, name: str) -> None:

@@ -67,9 +67,11 @@ def is_file_dataset(dataset) -> bool:
 
 
 _SHUFFLES = re.compile(r"^Shuffle(AndRepeat)?Dataset(V\d)?$")
-#: dataset -> the dataset `agree_on_order` gave for it (itself, or its
-#: rebuild, whose shuffles then reshuffle on from one call to the next).
+#: dataset -> the dataset `agree_on_order` gave for it: its rebuild (whose
+#: shuffles then reshuffle on from one call to the next), or `_ITSELF` (a
+#: value that refers to the key would keep it alive for ever).
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ITSELF = object()
 
 
 def _dataset_graph(dataset):
@@ -174,7 +176,7 @@ def agree_on_order(dataset, what: str, runtime):
     known = _AGREED.get(dataset)
     hits = runtime.all_gather(np.asarray([known is not None], np.int64))
     if all(int(hit[0]) for hit in hits):
-        return known
+        return dataset if known is _ITSELF else known
     graph = _dataset_graph(dataset)
     seeds = _seeds_of(graph)
     unseeded = any(pair == [0, 0] for pair in seeds)
@@ -184,7 +186,7 @@ def agree_on_order(dataset, what: str, runtime):
     everyone = runtime.all_gather(np.asarray(summary, np.int64))
     digests = {int(v[0]) for v in everyone}
     if len(digests) == 1 and not any(int(v[2]) for v in everyone):
-        _AGREED[dataset] = dataset
+        _AGREED[dataset] = _ITSELF
         return dataset
     advice = (
         "Give `Dataset.shuffle` the same `seed=` on every process, or call "
@@ -225,7 +227,10 @@ def agree_on_order(dataset, what: str, runtime):
             "different processes, and rebuilding it with the chief's seeds "
             f"failed ({failed}). " + advice
         )
+    # Keras's fit hands the rebuilt validation dataset to its nested
+    # evaluate calls: known there too.
     _AGREED[dataset] = rebuilt
+    _AGREED[rebuilt] = _ITSELF
     return rebuilt
 
 
