@@ -266,7 +266,9 @@ def agree_on_call(runtime, name: str) -> None:
                     f"finished the program. " + collective
                 )
             if time.monotonic() - start < slice_ / 2:
-                time.sleep(slice_ / 2)  # the store is gone: the watch ends it
+                # The store did not answer: rank 0 is gone. Retry until the
+                # deadline (torch's watchdog stops this rank sooner).
+                time.sleep(slice_ / 2)
         if called != name:
             raise KerasDistError(
                 f"Rank {me} called `{name}` while rank {other} called "

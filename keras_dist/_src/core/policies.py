@@ -53,17 +53,23 @@ def _log_once(message: str, is_chief: bool) -> None:
             supervision.log(message)
 
 
-def is_file_dataset(dataset) -> bool:
-    """Whether a `tf.data.Dataset` reads records from files."""
+def _serialized_graph(dataset) -> bytes | None:
+    """`dataset`'s graph, serialized (a GraphDef), or None when it cannot
+    be serialized."""
     import tensorflow as tf
 
     try:
-        graph = tf.raw_ops.DatasetToGraphV2(
+        return tf.raw_ops.DatasetToGraphV2(
             input_dataset=dataset._variant_tensor
-        )
-    except Exception:  # noqa: BLE001 - not serialisable: not file-backed.
-        return False
-    return bool(_FILE_READERS.search(graph.numpy()))
+        ).numpy()
+    except Exception:  # noqa: BLE001 - TF raises its own error types
+        return None
+
+
+def is_file_dataset(dataset) -> bool:
+    """Whether a `tf.data.Dataset` reads records from files."""
+    serialized = _serialized_graph(dataset)
+    return serialized is not None and bool(_FILE_READERS.search(serialized))
 
 
 _SHUFFLES = re.compile(r"^Shuffle(AndRepeat)?Dataset(V\d)?$")
@@ -75,14 +81,11 @@ _ITSELF = object()
 
 
 def _dataset_graph(dataset):
-    """`dataset`'s serialized graph as a GraphDef, or None."""
+    """`dataset`'s graph as a GraphDef, or None."""
     import tensorflow as tf
 
-    try:
-        serialized = tf.raw_ops.DatasetToGraphV2(
-            input_dataset=dataset._variant_tensor
-        ).numpy()
-    except Exception:  # noqa: BLE001 - not serialisable: nothing to read
+    serialized = _serialized_graph(dataset)
+    if serialized is None:
         return None
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(serialized)
