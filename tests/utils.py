@@ -28,6 +28,34 @@ def build_model(seed=0, dropout=0.0, bn_momentum=0.99):
     return keras.Model(inputs, outputs)
 
 
+class TiedEmbedding(keras.layers.Embedding):
+    """A lookup whose table also scores vectors (``reverse=True``), as
+    KerasHub's `ReversibleEmbedding` ties a language model's output."""
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            table = keras.ops.transpose(self.embeddings)
+            return keras.ops.matmul(inputs, table)
+        return super().call(inputs)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        if reverse:
+            shape = (*inputs.shape[:-1], self.input_dim)
+            return keras.KerasTensor(shape, inputs.dtype)
+        return super().compute_output_spec(inputs)
+
+
+def build_tied_model(seed=0):
+    """KerasHub's language-model shape in small: ids -> tied table ->
+    Dense -> scores against the table, averaged over the sequence."""
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((8,), dtype="int32")
+    table = TiedEmbedding(64, 16, name="table")
+    h = keras.layers.Dense(16, activation="tanh", name="proj")(table(ids))
+    scores = table(h, reverse=True)
+    return keras.Model(ids, keras.layers.GlobalAveragePooling1D()(scores))
+
+
 def compiled_model(strategy=None, build=None, **build_kwargs):
     """Builds (with `build`, default `build_model`) and compiles a model,
     inside `strategy.scope()` when a strategy is given, else in plain

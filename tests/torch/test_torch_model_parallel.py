@@ -36,6 +36,7 @@ import keras_dist  # noqa: E402
 from tests.utils import (  # noqa: E402
     ROOT,
     build_model,
+    build_tied_model,
     compile_model,
     make_data,
     max_relative_difference,
@@ -48,7 +49,7 @@ COMMON = f"""
 import json, os
 import numpy as np
 import keras, keras_dist
-from tests.utils import build_model, compile_model, make_data
+from tests.utils import build_model, build_tied_model, compile_model, make_data
 
 rank = int(os.environ.get("RANK", 0))
 dropout = float(os.environ.get("DROPOUT", "0"))
@@ -316,6 +317,29 @@ FOUR = (
 train("mp2x2", keras_dist.ModelParallel(layout_map((2, 2)), "batch"))
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
+# KerasHub's Gemma/Llama maps: the table's rows over "model" and its width
+# over "batch", which also splits the ids; the lookup's output feeds a
+# Dense laid out ("batch", "model"), and the table scores the output
+# (tied, as ReversibleEmbedding does).
+keras.backend.clear_session()
+mesh = keras_dist.DeviceMesh((2, 2), ("batch", "model"))
+layouts = keras_dist.LayoutMap(mesh)
+layouts[".*table/embeddings"] = ("model", "batch")
+layouts[".*proj/kernel"] = ("batch", "model")
+strategy = keras_dist.ModelParallel(layouts, "batch")
+with strategy.scope():
+    model = build_tied_model(seed=rank)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+rng = np.random.default_rng(0)
+ids = rng.integers(0, 64, (40, 8)).astype("int32")
+target = rng.normal(size=(40, 64)).astype("float32")
+init = model.get_weights()
+model.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
+weights = model.get_weights()
+if rank == 0:
+    np.savez("tied.npz", ids=ids, target=target)
+    np.savez("tied_init.npz", *init)
+    np.savez("tied_weights.npz", *weights)
 """
 )
 
@@ -605,3 +629,14 @@ def test_four_processes_2x2_mesh_matches_one_device(tmp_path):
     _check_parity(tmp_path, "mp2x2", 4, dropout=0.3)
     logs = json.loads((tmp_path / "logs0.json").read_text())["mp2x2"]
     assert logs["describe"]["model/dense/kernel"][1] == ["None", "model"]
+
+    # A table split over both axes (KerasHub's map), looked up and tied.
+    data = np.load(tmp_path / "tied.npz")
+    keras.backend.clear_session()
+    reference = build_tied_model()
+    _train_reference(
+        reference, keras.optimizers.SGD(0.1), tmp_path / "tied_init.npz",
+        data["ids"], data["target"],
+    )  # fmt: skip
+    got = _load(tmp_path / "tied_weights.npz")
+    assert max_relative_difference(reference.get_weights(), got) <= 1e-5

@@ -266,9 +266,9 @@ def _install_reduced_lookups(model) -> None:
 
 
 def _reduced_lookup(layer, original):
-    del layer  # the lookup's output is all it needs
-
     def call(*args, **kwargs):
+        if args and not (kwargs.get("reverse") or args[1:2] == (True,)):
+            args = (_ids_whole_where_table_split(layer, args[0]),) + args[1:]
         outputs = original(*args, **kwargs)
         if isinstance(outputs, DTensor) and any(
             p.is_partial() for p in outputs.placements
@@ -291,6 +291,26 @@ def _reduced_lookup(layer, original):
 
     call.__doc__ = getattr(original, "__doc__", None)
     return call
+
+
+def _ids_whole_where_table_split(layer, ids):
+    """The ids of a lookup, gathered over each mesh axis that splits both
+    them (the batch) and the table (KerasHub's Gemma map splits the
+    embeddings' width over "batch"). DTensor would move the ids itself,
+    but its masked partial output then keeps a mask of the split ids'
+    shape, and reducing it fails (torch 2.13: ``IndexError`` in
+    ``apply_mask``)."""
+    table = getattr(layer, "embeddings", None)
+    table = getattr(table, "value", table)
+    if not (isinstance(ids, DTensor) and isinstance(table, DTensor)):
+        return ids
+    placements = tuple(
+        Replicate() if p.is_shard() and not t.is_replicate() else p
+        for p, t in zip(ids.placements, table.placements)
+    )
+    if placements == tuple(ids.placements):
+        return ids
+    return ids.redistribute(ids.device_mesh, placements)
 
 
 def _install_split_inputs(model) -> None:
