@@ -78,3 +78,17 @@ def test_tpu_devices_point_to_tpu_strategy_on_another_backend():
     with pytest.raises(ValueError, match=r"all 'gpu' or all 'cpu'") as info:
         create_runtime("mirrored", ["gpu:0", "cpu:0"])
     assert "TPU" not in str(info.value)
+
+
+def test_a_missing_device_fails_before_any_rank_starts(monkeypatch):
+    import keras_dist
+    from keras_dist._src.cluster import launcher
+
+    def start_workers(*args):
+        raise AssertionError("ranks were started for a missing device")
+
+    monkeypatch.setattr(launcher, "start_workers", start_workers)
+    count = len(keras_dist.list_devices("cpu"))
+    devices = [f"cpu:{i}" for i in range(count + 1)]
+    with pytest.raises(ValueError, match=rf"cpu:{count}'\] do not exist"):
+        keras_dist.MirroredStrategy(devices=devices)

@@ -29,6 +29,7 @@ from keras_dist._src.cluster.environments import (
     ClusterEnvironment,
     detect_environment,
 )
+from keras_dist._src.devices import check_devices_exist
 from keras_dist._src.errors import KerasDistError
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
@@ -215,6 +216,11 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         # No launcher: this process becomes rank 0 and starts the others by
         # re-running the program (the documented behaviour of
         # `MirroredStrategy` on torch without a launcher).
+        # Every rank would find a missing device; rank 0 says so once,
+        # before it starts any.
+        from keras_dist._src.backends.torch.devices import list_devices
+
+        check_devices_exist(devices, list_devices())
         world = len(devices)
         # Listen before starting the children: no other process can take
         # the port between choosing it and binding it.
