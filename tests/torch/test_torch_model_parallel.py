@@ -297,6 +297,15 @@ if rank == 0:
     np.savez("mha.npz", seqs=seqs, targets=targets, direct=direct)
     np.savez("mha_init.npz", *init)
     np.savez("mha_weights.npz", *weights)
+# A save that reads split variables, on the chief alone: refused at once.
+try:
+    if rank == 0:
+        model.save("alone.keras")
+    else:
+        model.predict(seqs[:2], verbose=0)
+    out["alone"] = None
+except keras_dist.KerasDistError as error:
+    out["alone"] = str(error)
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
 # Last: a strategy that fails to start leaves the job.
@@ -598,6 +607,16 @@ def test_two_processes_layouts_match_one_device(tmp_path):
         rtol=1e-5,
         atol=1e-6,
     )
+
+    # A collective save on the chief alone fails on every rank, naming
+    # the fix, and writes nothing.
+    alone = [
+        json.loads((tmp_path / f"logs{r}.json").read_text())["alone"]
+        for r in (0, 1)
+    ]
+    assert "`model.save` reads variables split" in alone[0], alone
+    assert "rank 0 called `save`" in alone[1], alone
+    assert not (tmp_path / "alone.keras").exists()
 
     # Every rank reads the whole input: FILE sharding is refused.
     for rank in (0, 1):

@@ -211,7 +211,7 @@ def leave_job(rank: int, world_size: int, set_key, wait_key=None) -> None:
 _CALLS = itertools.count(1)
 
 
-def agree_on_call(runtime, name: str) -> None:
+def agree_on_call(runtime, name: str, hint: str | None = None) -> None:
     """Makes sure every process makes this `fit`/`evaluate`/`predict` call.
 
     They are collective: a call made on some processes only (``if
@@ -226,7 +226,10 @@ def agree_on_call(runtime, name: str) -> None:
     Args:
         runtime: the job's Runtime (`publish`, `wait_for`, rank and
             world size; a store of key-values).
-        name: the call (``"fit"``, ``"evaluate"``, ``"predict"``).
+        name: the call (``"fit"``, ``"evaluate"``, ``"predict"``, or a
+            save that reads variables collectively).
+        hint: what to do, in the errors (default: fit, evaluate and
+            predict are collective).
 
     Raises:
         KerasDistError: naming the rank and what it did instead.
@@ -238,7 +241,7 @@ def agree_on_call(runtime, name: str) -> None:
     runtime.publish(f"keras_dist/call/{number}/{me}", name)
     timeout = liveness_timeout()
     deadline = time.monotonic() + timeout
-    collective = (
+    collective = hint or (
         f"`{name}` is collective: call fit, evaluate and predict on every "
         "process, with the same arguments (not under `if "
         "strategy.is_chief:`)."

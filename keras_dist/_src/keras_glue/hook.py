@@ -268,6 +268,17 @@ def _chief_writes(method, strategy, name):
             return None
         if not collective and runtime.has_key_values:
             return published(args, kwargs)
+        if runtime.has_key_values:
+            # A collective read on some processes only (`if
+            # strategy.is_chief:`) would wait for the others in it.
+            supervision.agree_on_call(
+                runtime,
+                name,
+                f"Under {type(strategy).__name__}, `model.{name}` reads "
+                "variables split over the processes: call it on every "
+                "process (the chief writes the file), not under `if "
+                "strategy.is_chief:`.",
+            )
         result, error = None, None
         try:
             if runtime.is_chief:
