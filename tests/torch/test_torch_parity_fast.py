@@ -39,6 +39,11 @@ from tests.utils import build_model, compile_model, make_data
 
 strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
 rank = int(os.environ.get("RANK", 0))
+if rank == 0:
+    # Layers only rank 0 made (a reference model, say): its model's Dense
+    # layers are named dense_9 and dense_10, rank 1's dense and dense_1,
+    # which torch sorts the other way round.
+    [keras.layers.Dense(1) for _ in range(9)]
 with strategy.scope():
     model = build_model(seed=rank)  # rank 0's weights are broadcast
     compile_model(model)

@@ -285,6 +285,35 @@ def flatten_layers(model, include_self=False):
     return model._flatten_layers(include_self=include_self)
 
 
+def order_torch_parameters(model) -> None:
+    """Registers the torch parameters of `model` and of each of its layers
+    in the order of their Keras `variables`, the same on every process.
+
+    Keras's torch layers register them from a plain dict, which torch's
+    `ParameterDict` sorts by key, the variable's path: ``dense_10`` comes
+    before ``dense_9``. Where a process has built more layers than another
+    (a reference model on rank 0 alone), the same layer has other names
+    there, and `DistributedDataParallel` (which takes the parameters in
+    that order and all-reduces its buckets position by position) summed
+    one rank's kernel with another's bias, silently."""
+    import collections
+
+    import keras
+    import torch
+
+    # torch's own walk: it also reaches what `_flatten_layers` does not
+    # list (a `Sequential`'s inner functional model, whose dict comes first).
+    for layer in list(model.modules()):
+        if isinstance(layer, keras.layers.Layer) and (
+            "_torch_params" in layer._modules
+        ):
+            layer._torch_params = torch.nn.ParameterDict(
+                collections.OrderedDict(
+                    (v.path, v.value) for v in layer.variables
+                )
+            )
+
+
 def wrap_layer_calls(model, select, wrap) -> None:
     """Gives every layer of `model` for which ``select(layer)`` holds the
     call ``wrap(layer, original)``, `original` being its class's `call`

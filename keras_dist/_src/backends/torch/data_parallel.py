@@ -254,6 +254,7 @@ class StepFunctions(ModelSteps, UserSteps):
                 # bucket is the gradient (no copy back out, no second
                 # gradient kept); `zero_grad` sets them to None, which DDP
                 # supports, and the values are the same.
+                glue.order_torch_parameters(model)
                 self.ddp = torch.nn.parallel.DistributedDataParallel(
                     model,
                     device_ids=[device.index]
