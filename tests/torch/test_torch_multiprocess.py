@@ -28,6 +28,7 @@ from keras_dist._src.cluster import launcher, supervision  # noqa: E402
 from keras_dist._src.core.shards import shard_bounds  # noqa: E402
 from tests.utils import (  # noqa: E402
     MALLOC_PROBE,
+    max_relative_difference,
     npz_max_relative_difference,
     register_torch_part,
     run_torch_script,
@@ -301,6 +302,77 @@ def test_per_rank_batch_norm_statistics(torch_parts):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert results[0]["moving"] == results[1]["moving"]
     assert results[0]["weights"] == results[1]["weights"]
+
+
+#: mixed_float16 with a loss scale (2**18) under which one device's
+#: float16 gradients hold at batch 16 but overflow at batch 8 (measured):
+#: each rank's half batch must overflow only where one device's does.
+MIXED_MODEL = """
+def mixed_model():
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(4),
+        keras.layers.Activation("softmax", dtype="float32")])
+    model.compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=262144.0),
+        "sparse_categorical_crossentropy")
+    return model
+
+
+mx = np.random.default_rng(1).normal(size=(32, 6)).astype("float32")
+my = np.random.default_rng(2).integers(0, 4, 32)
+"""
+
+MIXED = """
+out = sys.argv[1]
+strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+keras.mixed_precision.set_global_policy("mixed_float16")
+try:
+    with strategy.scope():
+        model = mixed_model()
+    init = [w.tolist() for w in model.get_weights()]
+    model.fit(mx, my, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    optimizer = model.optimizer
+    result = {"init": init,
+              "weights": [w.tolist() for w in model.get_weights()],
+              "scale": float(optimizer.dynamic_scale),
+              "steps": int(optimizer.inner_optimizer.iterations)}
+finally:
+    keras.mixed_precision.set_global_policy("float32")
+with open(f"{out}.r{strategy.worker_index}.json", "w") as f:
+    json.dump(result, f)
+"""
+
+MIXED_PART = register_torch_part("mixed", PRELUDE + MIXED_MODEL + MIXED)
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+@pytest.mark.torch_part(MIXED_PART)
+def test_mixed_float16_loss_scale_as_one_device(torch_parts):
+    got = json.loads(
+        pathlib.Path(f"{torch_parts.output(MIXED_PART)}.r0.json").read_text()
+    )
+    namespace = {"keras": keras, "np": np}
+    exec(MIXED_MODEL, namespace)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = namespace["mixed_model"]()
+        model.set_weights([np.asarray(w, "float32") for w in got["init"]])
+        model.fit(
+            namespace["mx"], namespace["my"], batch_size=16, epochs=2,
+            shuffle=False, verbose=0,
+        )  # fmt: skip
+        optimizer = model.optimizer
+        # One device skips no step and keeps its scale: so must the ranks.
+        assert int(optimizer.inner_optimizer.iterations) == 4
+        assert got["steps"] == 4 and got["scale"] == 262144.0, got
+        want = model.get_weights()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    have = [np.asarray(w, "float32") for w in got["weights"]]
+    assert max_relative_difference(want, have) <= 1e-3
 
 
 CPU_ALLOCATOR = """

@@ -13,14 +13,16 @@ order; with FILE/OFF input its own batch, see `inputs`). What this policy
 adds to the engine's glue:
 
 * Training runs the model through `torch.nn.parallel.DistributedDataParallel`,
-  so gradients are averaged by DDP's bucketed all-reduce, overlapped with
-  the backward pass. Each rank's local mean loss is multiplied by
-  ``n_local * world / n_global`` first, which turns DDP's average into the
-  gradient of the global-batch mean (also when shards differ in size or
-  are empty). A Keras loss that is not a mean over samples is rescaled
-  before that (`exact_losses.global_loss_denominators`). A user's own
-  `train_step` has its gradients all-reduced at `optimizer.apply`
-  (`reduced_gradients`).
+  so gradients are summed by DDP's bucketed all-reduce (a communication
+  hook that sums where DDP's own averages), overlapped with the backward
+  pass. Each rank's local mean loss is multiplied by ``n_local / n_global``
+  first, so the sum is the gradient of the global-batch mean (also when
+  shards differ in size or are empty), and each sample's gradient has the
+  magnitude it has on one device: under ``mixed_float16`` the loss scale
+  overflows float16 where one device's does. A Keras loss that is not a
+  mean over samples is rescaled before that
+  (`exact_losses.global_loss_denominators`). A user's own `train_step` has
+  its gradients all-reduced at `optimizer.apply` (`reduced_gradients`).
 * Metric state is all-reduced as deltas (`metrics_sync.MetricSync`), so
   logs are exact and equal on all ranks.
 * BatchNormalization layers compute global moments from all-reduced sums
@@ -263,6 +265,7 @@ class StepFunctions(ModelSteps, UserSteps):
                     init_sync=False,
                     gradient_as_bucket_view=True,
                 )
+                self.ddp.register_comm_hook(None, _sum_gradients)
             step = self.train_step
 
         def one_step_on_data(data):
@@ -305,7 +308,9 @@ class StepFunctions(ModelSteps, UserSteps):
             glue.loss_tracker(model).update_state(
                 loss.detach(), sample_weight=n_local
             )
-            scaled = loss * (n_local * engine.world_size / n_global)
+            # This shard's part of the global-batch mean; DDP sums the
+            # parts (`_sum_gradients`).
+            scaled = loss * (n_local / n_global)
         else:
             # Still take part in DDP's all-reduce, with zero gradients.
             scaled = sum(
@@ -452,3 +457,12 @@ def create_engine(plan, runtime, input_options):
     if not isinstance(runtime, TorchRuntime):
         return OneDeviceEngine(devices[0])
     return MirroredEngine(devices, plan.sync_batch_norm, runtime, input_options)
+
+
+def _sum_gradients(state, bucket):
+    """DDP communication hook: sums a gradient bucket over the ranks
+    (DDP's default averages; keras_dist scales each rank's loss by its
+    share of the global batch instead)."""
+    del state  # the default process group
+    work = torch.distributed.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
