@@ -93,6 +93,8 @@ class CheckpointManager:
         # Every process exports its own parts (no gather; on TensorFlow
         # reading a sync-on-read variable is a collective all make).
         entries = state.export_variables(model, runtime.is_chief)
+        if runtime.world_size > 1:
+            _take_chief_keys(runtime, entries)
         metadata = None
         if runtime.is_chief:
             extras = state.capture_rng()
@@ -523,3 +525,34 @@ def _wait_at_exit() -> None:
     """A process does not end while a checkpoint is being written."""
     for writer in list(_IN_FLIGHT):
         writer.join()
+
+
+def _take_chief_keys(runtime, entries) -> None:
+    """Keys every process's pieces as the chief keys them (collective).
+
+    A key holds the variable's path, and a layer's name is numbered in its
+    process: one that built other layers first (a reference model on the
+    chief alone) calls the same layer ``dense_10`` where another calls it
+    ``dense``, and the pieces of one variable came under two keys (the
+    commit refused them). The variables agree in order and shape on every
+    process, so each takes the chief's key of its n-th variable; where
+    they do not, every process raises.
+    """
+    import json
+
+    mine = [[e["key"], list(e["shape"])] for e in entries]
+    chief = json.loads(runtime.broadcast(json.dumps(mine), 0))
+    shapes = [shape for _, shape in chief]
+    differs = shapes != [shape for _, shape in mine]
+    if runtime.all_reduce(int(differs), "max"):
+        where = "another process's"
+        if differs:
+            where = f"this process's ({len(mine)} variables: {mine[:3]}...)"
+        raise fmt.CheckpointError(
+            "Cannot checkpoint: the processes' models differ. The chief "
+            f"has {len(chief)} variables ({chief[:3]}...; [key, shape]), "
+            f"{where} do not match them in order and shape. Build the same "
+            "model on every process."
+        )
+    for entry, (key, _) in zip(entries, chief, strict=True):
+        entry["key"] = key
