@@ -116,7 +116,12 @@ class LayoutPolicy:
         if missing:
             raise LayoutError(
                 f"The mesh names devices this job does not have: {missing}. "
-                f"Devices here: {sorted(by_name)}."
+                f"Devices here: {sorted(by_name)}. Leave the mesh's devices "
+                "out (keras_dist.DeviceMesh(shape, axis_names)): it then "
+                "spans the job's devices, every process's included. A "
+                "KerasHub map (made over a keras.distribution.DeviceMesh) "
+                "can be copied into a keras_dist.LayoutMap over such a "
+                "mesh: layout_map[key] = published[key].axes."
             )
         self.devices = tuple(names)
         self.mesh = Mesh(
