@@ -100,6 +100,18 @@ def train(name, strategy):
     out[name] = {{"history": history.history, "evaluate": evaluation,
                  "describe": describe(strategy, model)}}
     return model
+
+
+def fit_and_keep(name, model, ids, target):
+    # Trains as `_train_reference` does; rank 0 keeps the data and the
+    # initial and final weights (name.npz, _init.npz, _weights.npz).
+    init = model.get_weights()
+    model.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    weights = model.get_weights()  # every rank: a gather of the shards
+    if rank == 0:
+        np.savez(f"{{name}}.npz", ids=ids, target=target)
+        np.savez(f"{{name}}_init.npz", *init)
+        np.savez(f"{{name}}_weights.npz", *weights)
 """
 
 FROM_JAX = """
@@ -257,16 +269,10 @@ with strategy.scope():
     model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
 rng = np.random.default_rng(0)
-ids = rng.integers(0, 12, (40, 3)).astype("int32")
-target = rng.normal(size=(40, 1)).astype("float32")
-init = model.get_weights()
-model.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
-weights = model.get_weights()
+fit_and_keep(
+    "embedding", model, rng.integers(0, 12, (40, 3)).astype("int32"),
+    rng.normal(size=(40, 1)).astype("float32"))
 out["table"] = describe(strategy, model)["model/table/embeddings"]
-if rank == 0:
-    np.savez("embedding.npz", ids=ids, target=target)
-    np.savez("embedding_init.npz", *init)
-    np.savez("embedding_weights.npz", *weights)
 # MultiHeadAttention, its heads split over "model" (on CPUs attention runs
 # torch's math kernel: DTensor has no rule for the flash kernel's backward).
 keras.backend.clear_session()
@@ -340,15 +346,9 @@ with strategy.scope():
     model = build_tied_model(seed=rank)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 rng = np.random.default_rng(0)
-ids = rng.integers(0, 64, (40, 8)).astype("int32")
-target = rng.normal(size=(40, 64)).astype("float32")
-init = model.get_weights()
-model.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
-weights = model.get_weights()
-if rank == 0:
-    np.savez("tied.npz", ids=ids, target=target)
-    np.savez("tied_init.npz", *init)
-    np.savez("tied_weights.npz", *weights)
+fit_and_keep(
+    "tied", model, rng.integers(0, 64, (40, 8)).astype("int32"),
+    rng.normal(size=(40, 64)).astype("float32"))
 """
 )
 
