@@ -86,20 +86,22 @@ class SPMDEngine:
             glue.replace_variable_array(_gathering_array)
         # XLA's CPU runtime runs each simulated device's part of a step on a
         # shared pool of max(cores, devices) threads, and its all-reduce
-        # blocks a thread until every device arrives. With many steps queued
-        # (`fit` dispatches far ahead of a loaded CPU), the pools can be left
-        # without a thread for the last device: after 40 s XLA aborts the
-        # process ("Expected 4 threads to join the rendezvous, but only 3 of
-        # them arrived"; Keras's own `DataParallel` aborts the same way). So
-        # on CPU devices at most `max_in_flight` steps may be in flight: the
-        # next step is dispatched while one runs (the host's dispatch overlaps
-        # the devices' work), never more. Measured with 64-step fits under a
-        # load of 9 on 2 cores: unbounded aborted; 2 and 4 in flight did not
-        # (3 and 1 runs of 10-13 fits). It is a deadlock, not a slow thread:
-        # with XLA's rendezvous timeout raised to 200 s
-        # (--xla_cpu_collective_call_terminate_timeout_seconds), two of the
-        # four devices waited all 200 s, then it aborted (4 Dec. 2026).
-        # Accelerators keep unbounded dispatch.
+        # blocks a thread until every device arrives. Each device admits 32
+        # executions in flight; the launch of the 33rd blocks a pool thread.
+        # With many steps queued (`fit` dispatches far ahead of a loaded
+        # CPU), blocked launches can hold the threads the last device needs
+        # to reach the all-reduce: after 40 s XLA aborts the process
+        # ("Expected 4 threads to join the rendezvous, but only 3 of them
+        # arrived"; Keras's own `DataParallel` aborts the same way). It is a
+        # deadlock, not a slow thread: with XLA's rendezvous timeout raised to
+        # 200 s, two of the four devices waited all 200 s (4 Dec. 2026). So on
+        # CPU devices at most `max_in_flight` steps may be in flight, well
+        # under XLA's 32. Measured with 64-step fits for 60 s under 8 busy
+        # processes on 2 cores: unbounded and 30 in flight aborted in the 2nd
+        # fit; 16 (1 run), 8 (3 runs), 4 (4 runs) and 2 (3 runs) did not.
+        # 8 in flight is level with unbounded dispatch in `bench_fit`; 2 cost
+        # 1-4 % of a step (see guides/performance.md). Accelerators keep
+        # unbounded dispatch.
         self.max_in_flight = steps_in_flight(self.mesh.devices.flat)
         # An output of each dispatched step that may still run, oldest first.
         self.in_flight = collections.deque()
@@ -490,11 +492,11 @@ class _StepFunctions:
 
 
 def steps_in_flight(devices) -> int | None:
-    """How many steps may run at once: 2 on CPU devices (XLA's CPU
-    collectives starve when many are queued, see `SPMDEngine`); None
+    """How many steps may run at once: 8 on CPU devices (XLA's CPU
+    collectives deadlock when many are queued, see `SPMDEngine`); None
     (unbounded asynchronous dispatch) on GPUs and TPUs."""
     if all(d.platform == "cpu" for d in devices):
-        return 2
+        return 8
     return None
 
 
