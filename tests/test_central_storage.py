@@ -4,10 +4,13 @@ TensorFlow: tf.distribute's CentralStorageStrategy over 4 simulated CPU
 devices, with BatchNormalization and Dropout (Keras creates their
 non-trainable variables with aggregation "none", which tf.distribute's
 AggregatingVariable refuses to update in a replica) and SUM-aggregated
-metrics. JAX: every variable in host memory (``pinned_host`` on the CPU
+metrics (a confusion matrix among them), every step's logs included. JAX:
+every variable in host memory (``pinned_host`` on the CPU
 platform) after `fit`. Both against plain Keras on one device from the same
 weights. torch: the clear error.
 """
+
+import contextlib
 
 import keras
 import numpy as np
@@ -26,14 +29,44 @@ TOLERANCE = 1e-5
 BATCH, EPOCHS = 16, 2
 
 
+def _compiled(strategy=None):
+    """`compiled_model` with a confusion-matrix metric too (`MeanIoU`,
+    which Keras updates with ``assign(total + batch)``)."""
+    model = compiled_model(strategy, dropout=0.2)
+    scope = strategy.scope() if strategy else contextlib.nullcontext()
+    with scope:
+        model.compile(
+            optimizer=model.optimizer,
+            loss=model.loss,
+            metrics=[
+                "accuracy",
+                keras.metrics.SparseCategoricalCrossentropy(name="xent"),
+                keras.metrics.MeanIoU(3, sparse_y_pred=False, name="iou"),
+            ],
+        )
+    return model
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    """Every step's logs (what the progress bar shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append([float(logs[k]) for k in sorted(logs)])
+
+
 def _train(strategy):
     x, y, sw = make_data()
-    reference = compiled_model(dropout=0.2)
+    reference = _compiled()
     weights = reference.get_weights()
-    model = compiled_model(strategy, dropout=0.2)
+    model = _compiled(strategy)
     model.set_weights(weights)
     logs = []
     for m in (reference, model):
+        batches = _BatchLogs()
         history = m.fit(
             x,
             y,
@@ -42,15 +75,17 @@ def _train(strategy):
             epochs=EPOCHS,
             shuffle=False,
             verbose=0,
+            callbacks=[batches],
         ).history
         evaluated = m.evaluate(x, y, batch_size=BATCH, verbose=0)
         predicted = m.predict(x, batch_size=BATCH, verbose=0)
-        logs.append((history, evaluated, predicted))
+        logs.append((history, evaluated, predicted, batches.logs))
     return reference, model, logs
 
 
 def _check_parity(reference, model, logs):
-    (h0, e0, p0), (h1, e1, p1) = logs
+    (h0, e0, p0, b0), (h1, e1, p1, b1) = logs
+    assert np.allclose(b0, b1, rtol=TOLERANCE), (b0, b1)
     assert int(model.optimizer.iterations.numpy()) == int(
         reference.optimizer.iterations.numpy()
     )

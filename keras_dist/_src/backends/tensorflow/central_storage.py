@@ -122,7 +122,11 @@ def _with_summed_updates(model, make):
     """`make` (a step-function factory) that first gives each SUM-aggregated
     variable of `model` (metrics) an `assign_add` that sums the replicas'
     increments. Keras's own is ``assign(self + value)``: summed by the
-    aggregating variable, N replicas would add N times the old total."""
+    aggregating variable, N replicas would add N times the old total. Its
+    `assign` inside a replica's step adds the difference to the current
+    value the same way: Keras's confusion-matrix metrics (`Precision`,
+    `AUC`, ...) update with ``variable.assign(variable + increment)``
+    (before 5 Dec. 2026 their values drifted from the second step on)."""
 
     def make_function(force=False):
         for variable in model.variables + model.metrics_variables:
@@ -134,6 +138,7 @@ def _with_summed_updates(model, make):
             ):
                 variable.__dict__["assign_add"] = _summed(variable, 1)
                 variable.__dict__["assign_sub"] = _summed(variable, -1)
+                variable.__dict__["assign"] = _assign_as_increment(variable)
         return make(force=force)
 
     return make_function
@@ -148,6 +153,23 @@ def _summed(variable, sign):
         return target.assign_sub(value)
 
     return update
+
+
+def _assign_as_increment(variable):
+    """`variable.assign`, which inside a replica's step adds the difference
+    from the current value (the aggregating variable sums the replicas'
+    differences: one device's ``self + increment``)."""
+    original = type(variable).assign.__get__(variable)
+
+    def assign(value):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return original(value)  # cross-replica: `reset_state`, restores
+        target = glue.variable_value(variable)
+        value = tf.convert_to_tensor(value, dtype=variable.dtype)
+        return target.assign_add(value - target.read_value())
+
+    return assign
 
 
 def _first_replica_apply(optimizer):
