@@ -600,10 +600,8 @@ def _metrics(ctx):
         out = keras.layers.Dense(1, activation="sigmoid")(h)
         return keras.Model(inputs, out)
 
-    return _standard(
-        ctx,
+    model = ctx.model(
         build,
-        data=(x, y),
         loss="binary_crossentropy",
         metrics=[
             keras.metrics.AUC(name="auc"),
@@ -613,6 +611,31 @@ def _metrics(ctx):
             keras.metrics.MeanSquaredError(name="mse"),
         ],
     )
+    # Every batch's logs too (what the progress bar and batch callbacks
+    # see): batches of 5 split unevenly, so averaging the replicas' own
+    # ratios would differ from the global ratio.
+    batches = _BatchLogs()
+    history = _fit(model, x, y, batch_size=5, callbacks=[batches])
+    model.evaluate(x, y, batch_size=5, verbose=0, callbacks=[batches])
+    return ctx.results(model, history, x, y, 5, batch_logs=batches.logs)
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    """Every step's logs, per key, in `fit` and `evaluate`."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = {}
+
+    def _keep(self, prefix, logs):
+        for key, value in (logs or {}).items():
+            self.logs.setdefault(prefix + key, []).append(float(value))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._keep("", logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._keep("test_", logs)
 
 
 def _optimizer_row(name, **options):

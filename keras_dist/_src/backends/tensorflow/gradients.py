@@ -13,7 +13,9 @@ from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.patching import InstancePatches
 
 
-def apply_global_gradients(context, optimizer, gradients, weights, apply=None):
+def apply_global_gradients(
+    context, optimizer, gradients, weights, apply=None, extra=()
+):
     """Applies the all-reduced `gradients` on every replica, as one device.
 
     Keras's TF optimizer clips (``clipnorm``, ``global_clipnorm``,
@@ -26,21 +28,31 @@ def apply_global_gradients(context, optimizer, gradients, weights, apply=None):
     of each mirrored variable, with no further collective: the copies
     receive identical updates and stay equal, as tf.distribute's own update
     keeps them. `apply` is the optimizer's `apply` to call (default: the
-    optimizer's own).
+    optimizer's own). `extra` tensors are summed across replicas in the
+    same collective; returns their sums (None if nothing was reduced).
     """
     apply = apply or optimizer.apply
+    extra = list(extra)
     present = [i for i, g in enumerate(gradients) if g is not None]
     if not present:  # Keras's optimizer raises its own error
         apply(gradients, weights)
-        return
+        return None
+    values = [gradients[i] for i in present]
+    # One collective where the dtypes agree (tf.distribute's collectives
+    # concatenate what they batch).
+    together = len({v.dtype for v in values + extra}) == 1
     reduced = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, [gradients[i] for i in present]
+        tf.distribute.ReduceOp.SUM, values + extra if together else values
     )
     gradients = list(gradients)
     for i, g in zip(present, reduced):
         gradients[i] = g
+    summed = list(reduced[len(present) :])
+    if extra and not together:
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, extra)
     with LocalOptimizer(context, optimizer, weights):
         apply(gradients, weights)
+    return summed
 
 
 class LocalOptimizer:

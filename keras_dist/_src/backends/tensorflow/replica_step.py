@@ -216,19 +216,111 @@ def _loss_step(model, tape, training, data, step):
         if training and model.optimizer is not None:
             weighted = model.optimizer.scale_loss(weighted)
     step.valid = None
+    # Metrics see the real samples only (unweighted metrics ignore weights).
+    # They are updated before the optimizer (Keras updates them after; they
+    # read the step's predictions, not the weights), so that their
+    # replicas' counts ride in the gradients' all-reduce.
+    x, y, sample_weight = first_rows((x, y, sample_weight), local_count)
+    y_pred = slice_keeping_masks(y_pred, local_count)
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    metrics = GlobalMetrics(model, logs)
     if training:
         if model.trainable_weights:
             weights = model.trainable_weights
             gradients = tape.gradient(weighted, weights)
-            apply_global_gradients(replica, model.optimizer, gradients, weights)
+            metrics.summed = apply_global_gradients(
+                replica,
+                model.optimizer,
+                gradients,
+                weights,
+                extra=metrics.to_sum,
+            )
         else:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
             )
-    # Metrics see the real samples only (unweighted metrics ignore weights).
-    x, y, sample_weight = first_rows((x, y, sample_weight), local_count)
-    y_pred = slice_keeping_masks(y_pred, local_count)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return metrics.results(replica)
+
+
+class GlobalMetrics:
+    """The step's logs with each metric's value over the global batch so
+    far.
+
+    Inside the step each replica's `result()` reads its own view of a
+    metric: its own part's counts for tf.distribute's on-read variables (a
+    metric built in the scope), and for a metric built outside the scope
+    (one variable that every replica updates) whatever the replicas had
+    added when it read. Keras then averages the replicas' results. That is
+    the global value only for a mean over equal parts; a ratio such as
+    `Precision`, a weighted mean or a partial last batch differ (the
+    epoch's logs, read outside the step, were exact). Here the on-read
+    variables are summed across replicas (`to_sum`, in the gradients'
+    all-reduce when the step trains, else in their own) and every metric's
+    `stateless_result` is taken from the global values, so the per-batch
+    logs (progress bar, batch callbacks) equal one device's too. Left as
+    is: a model whose `compute_metrics` or `get_metrics_result` is its own,
+    and a metric with an on-read variable that is not summed across
+    replicas.
+    """
+
+    def __init__(self, model, logs):
+        self.logs = logs
+        self.metrics = []
+        self.to_sum = []  # this replica's values of the on-read variables
+        self.summed = None  # their sums, once all-reduced
+        self._index = {}  # id(variable) -> position in to_sum
+        trainer = glue.tensorflow_trainer()
+        cls = type(model)
+        if (
+            cls.compute_metrics is not trainer.compute_metrics
+            or cls.get_metrics_result is not trainer.get_metrics_result
+            or not isinstance(logs, dict)
+        ):
+            return
+        for metric in model.metrics:
+            values = [glue.variable_value(v) for v in metric.variables]
+            on_read = [
+                (variable, value)
+                for variable, value in zip(metric.variables, values)
+                if isinstance(value, tf.distribute.DistributedValues)
+            ]
+            if not values or any(v.aggregation != "sum" for v, _ in on_read):
+                continue
+            self.metrics.append(metric)
+            for variable, value in on_read:
+                self._index[id(variable)] = len(self.to_sum)
+                self.to_sum.append(
+                    tf.identity(value._get_on_device_or_primary())
+                )
+
+    def results(self, replica):
+        """The logs, each metric's value global (collective)."""
+        if not self.metrics:
+            return self.logs
+        if self.summed is None:
+            # Also the merge point after which a variable that every
+            # replica updates holds all their updates (ops made after it
+            # come after every replica's earlier ops on that variable).
+            self.summed = (
+                replica.all_reduce(tf.distribute.ReduceOp.SUM, self.to_sum)
+                if self.to_sum
+                else replica.merge_call(lambda strategy: [])
+            )
+        results = dict(self.logs)
+        for metric in self.metrics:
+            result = metric.stateless_result(
+                [
+                    self.summed[self._index[id(v)]]
+                    if id(v) in self._index
+                    else tf.identity(v.value)
+                    for v in metric.variables
+                ]
+            )
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
 
 
 def check_input_shapes(model, x):
