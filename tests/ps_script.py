@@ -52,7 +52,7 @@ def data():
     return x, y
 
 
-def build():
+def build(metrics=("mae",)):
     keras.utils.set_random_seed(1)
     model = keras.Sequential(
         [
@@ -62,9 +62,23 @@ def build():
         ]
     )
     model.compile(
-        optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"]
+        optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=list(metrics)
     )
     return model
+
+
+def _confusion():
+    """Four metrics that Keras updates with ``assign(v + increment)``;
+    every prediction lands in exactly one of them."""
+    return [
+        cls(thresholds=0.0)
+        for cls in (
+            keras.metrics.TruePositives,
+            keras.metrics.FalsePositives,
+            keras.metrics.TrueNegatives,
+            keras.metrics.FalseNegatives,
+        )
+    ]
 
 
 def max_rel(a, b):
@@ -139,8 +153,9 @@ def two_workers():
     cluster = ps.in_process_cluster(2, 2)
     strategy = keras_dist.ParameterServerStrategy(cluster)
     out = {"repr": repr(strategy)}
+    confusion = _confusion()
     with strategy.scope():
-        model = build()
+        model = build(metrics=["mae", *confusion])
     steps = 100
     model.fit(
         x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0
@@ -150,6 +165,7 @@ def two_workers():
         for v in model.metrics_variables
         if v.path.endswith("count")
     }
+    out["confusion_total"] = sum(float(m.result()) for m in confusion)
     out.update(
         iterations=int(model.optimizer.iterations.numpy()),
         scheduled=steps,
@@ -281,7 +297,7 @@ def two_workers():
     )
     out["errors"] = errors
     # evaluate/predict on the chief equal plain Keras on the same weights.
-    reference = build()
+    reference = build(metrics=["mae", *_confusion()])
     reference.set_weights(model.get_weights())
     out["evaluate"] = model.evaluate(x, y, batch_size=10, verbose=0)
     out["evaluate_expected"] = reference.evaluate(

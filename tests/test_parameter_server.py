@@ -83,6 +83,8 @@ def test_two_workers_counters_and_metrics_exact(two_workers):
         "loss/count": 1600.0,
         "mean_absolute_error/count": 1600.0,
     }
+    # Confusion-matrix metrics (`assign(v + increment)`) lost 570 of 1600.
+    assert two_workers["confusion_total"] == 1600.0
     # + a dataset function (2 epochs of 10 steps) + a finite tf.data
     # dataset (2 epochs of its 4 batches).
     assert two_workers["iterations_after"] == 100 + 20 + 8

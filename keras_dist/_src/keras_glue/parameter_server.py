@@ -47,3 +47,72 @@ def make_updates_atomic(variables) -> int:
         state[_MARK] = True
         changed += 1
     return changed
+
+
+def make_metric_updates_atomic(metrics) -> int:
+    """Makes each metric's `update_state` add its increments atomically.
+
+    Keras's confusion-matrix metrics (`Precision`, `Recall`, `AUC`,
+    `MeanIoU`, ...) update with ``variable.assign(variable + increment)``,
+    not `assign_add`: two workers read the same value and one update is
+    lost (measured: `Precision(thresholds=0)` over 2 workers and 100 steps
+    counted 1030 of 1600 predictions). Here such a metric's update reads
+    its variables once, computes their new values as Keras's own
+    `stateless_update_state` does and adds each difference with TensorFlow's
+    atomic `assign_add`. `Mean`-like metrics (the loss tracker, `accuracy`,
+    `mae`), which use `assign_add` already, keep their own update (made
+    atomic by `make_updates_atomic`). Instance attributes; idempotent.
+
+    Returns:
+        How many metrics were changed (not counting those done before).
+    """
+    import keras
+    import tensorflow as tf
+
+    changed = 0
+    stack = list(metrics)
+    while stack:
+        metric = stack.pop()
+        stack.extend(getattr(metric, "_metrics", None) or [])
+        stack.extend(getattr(metric, "_flat_metrics", None) or [])
+        state = getattr(metric, "__dict__", None)
+        if (
+            state is None
+            or state.get(_MARK)
+            or not metric.variables
+            or isinstance(metric, (keras.metrics.Mean, keras.metrics.Sum))
+            or type(metric).__name__ == "CompileMetrics"
+        ):
+            continue
+        values = [variable_value(v) for v in metric.variables]
+        if any(
+            value is None or not hasattr(value, "assign_add")
+            for value in values
+        ):
+            continue
+
+        original = type(metric).update_state.__get__(metric)
+
+        def update_state(
+            *args, metric=metric, values=values, original=original, **kwargs
+        ):
+            # Keras's `stateless_update_state`, around the class's own
+            # update (the instance's is this function).
+            current = [tf.identity(value) for value in values]
+            mapping = list(zip(metric.variables, current))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                original(*args, **kwargs)
+            updates = []
+            for variable, value, before in zip(
+                metric.variables, values, current
+            ):
+                after = scope.get_current_value(variable)
+                if after is not None:
+                    delta = tf.cast(after, value.dtype) - before
+                    updates.append(value.assign_add(delta))
+            return tf.group(*updates)
+
+        state["update_state"] = update_state
+        state[_MARK] = True
+        changed += 1
+    return changed

@@ -28,7 +28,10 @@ from keras import tree
 
 from keras_dist._src.errors import KerasDistError
 from keras_dist._src.keras_glue import internals as glue
-from keras_dist._src.keras_glue.parameter_server import make_updates_atomic
+from keras_dist._src.keras_glue.parameter_server import (
+    make_metric_updates_atomic,
+    make_updates_atomic,
+)
 
 
 def model_methods(engine, model) -> dict:
@@ -419,6 +422,7 @@ class _Loop:
         if model.optimizer is not None:
             variables += list(model.optimizer.variables)
         make_updates_atomic(variables)
+        make_metric_updates_atomic(model.metrics)
 
     def _build(self, spec):
         model = self.model
