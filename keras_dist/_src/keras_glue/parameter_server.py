@@ -73,15 +73,16 @@ def make_metric_updates_atomic(metrics) -> int:
     stack = list(metrics)
     while stack:
         metric = stack.pop()
-        stack.extend(getattr(metric, "_metrics", None) or [])
-        stack.extend(getattr(metric, "_flat_metrics", None) or [])
+        children = getattr(metric, "_metrics", None) or []
+        if children:  # Keras's metric containers: their metrics update
+            stack.extend(children)
+            continue
         state = getattr(metric, "__dict__", None)
         if (
             state is None
             or state.get(_MARK)
             or not metric.variables
             or isinstance(metric, (keras.metrics.Mean, keras.metrics.Sum))
-            or type(metric).__name__ == "CompileMetrics"
         ):
             continue
         values = [variable_value(v) for v in metric.variables]
