@@ -373,6 +373,16 @@ import keras_dist
 
 strategy = keras_dist.MultiWorkerMirroredStrategy()
 x = np.ones((64, 4), "float32")
+if keras.backend.backend() == "tensorflow":
+    # A metric object made outside the scope: each worker's own variable.
+    outside = keras.metrics.AUC(name="auc_outside")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=[outside])
+    try:
+        model.fit(x, x[:, :1], batch_size=16, verbose=0)
+    except keras_dist.VariablesOutsideScopeError as error:
+        print("OUTSIDE_METRIC", "auc_outside" in str(error), flush=True)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
@@ -400,6 +410,9 @@ def test_a_call_on_the_chief_alone_fails_at_once(tmp_path):
         in proc.stdout
     ), _failure(proc)
     assert seconds < 200
+    if BACKEND == "tensorflow":  # its counts would be each worker's own
+        for rank in (0, 1):
+            assert f"[rank {rank}] OUTSIDE_METRIC True" in proc.stdout
 
 
 HUNG = KILLED.replace(

@@ -82,6 +82,11 @@ class ReplicaEngine(StrategyEngine):
                 model.__dict__["_keras_dist_dropout"] = True
         self._install_steps(model)
 
+    def check_metric_variables(self, model) -> None:
+        """Hook before a train/test function is built: one host's replicas
+        share a metric created outside the scope (a variable they all
+        update), which keras_dist reads exactly; nothing to check here."""
+
     def distribute_dataset(self, dataset):
         """`dataset` split across the replicas, each global batch exactly."""
         if isinstance(dataset, tf.data.Dataset):
@@ -99,6 +104,7 @@ class ReplicaEngine(StrategyEngine):
             def make(force=False):
                 if getattr(model, attribute) is not None and not force:
                     return getattr(model, attribute)
+                engine.check_metric_variables(model)
 
                 def step(data):
                     if custom:  # the model's own train_step or test_step

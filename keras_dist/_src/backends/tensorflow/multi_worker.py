@@ -40,6 +40,7 @@ from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.core import policies
 from keras_dist._src.core.lockstep import GatheredAdapter
 from keras_dist._src.core.rng import replicate_chief_generators
+from keras_dist._src.errors import VariablesOutsideScopeError
 
 
 def _cluster_resolver(environment):
@@ -164,6 +165,26 @@ class MultiWorkerEngine(MirroredEngine):
         self.input_options = options
         self.runtime = runtime
         _check_same_device_count(self.tf_strategy, runtime)
+
+    def check_metric_variables(self, model) -> None:
+        """Raises if a metric of `model` was created outside the scope: its
+        variable would be this worker's own, counting its samples only.
+
+        Raises:
+            VariablesOutsideScopeError: naming the metric and the fix.
+        """
+        extended = self.tf_strategy.extended
+        for variable in model.metrics_variables:
+            if not extended.variable_created_in_scope(variable.value):
+                raise VariablesOutsideScopeError(
+                    f"Metric variable {variable.path!r} was created outside "
+                    "strategy.scope(): under MultiWorkerMirroredStrategy it "
+                    "would be each worker's own, counting that worker's "
+                    "samples only (its values would differ between workers "
+                    "and from one device). Create the metric objects "
+                    "(`keras.metrics.AUC()` and the like) inside `with "
+                    "strategy.scope():`, or pass metrics by name."
+                )
 
     @contextlib.contextmanager
     def call_scope(self):
