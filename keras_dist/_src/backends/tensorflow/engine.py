@@ -66,14 +66,13 @@ class ReplicaEngine(StrategyEngine):
         # here, they would need a collective that a chief-only save (a
         # callback's) makes alone.
         glue.cache_saving_attr_skipsets()
-        extended = self.tf_strategy.extended
-        for variable in model.variables:
-            if not extended.variable_created_in_scope(variable.value):
-                raise VariablesOutsideScopeError(
-                    f"Variable {variable.path!r} of model {model.name!r} was "
-                    "created outside strategy.scope(). Build the model and "
-                    "all its layers inside the scope."
-                )
+        outside = self.first_outside_scope(model.variables)
+        if outside is not None:
+            raise VariablesOutsideScopeError(
+                f"Variable {outside.path!r} of model {model.name!r} was "
+                "created outside strategy.scope(). Build the model and all "
+                "its layers inside the scope."
+            )
         for layer in glue.flatten_layers(model):
             self.prepare_layer(layer)
             if type(layer) is keras.layers.Dropout:
@@ -81,6 +80,15 @@ class ReplicaEngine(StrategyEngine):
                     layer.__dict__["call"] = global_dropout(layer)
                 model.__dict__["_keras_dist_dropout"] = True
         self._install_steps(model)
+
+    def first_outside_scope(self, variables):
+        """The first of the Keras `variables` not created in the
+        strategy's scope, or None."""
+        extended = self.tf_strategy.extended
+        for variable in variables:
+            if not extended.variable_created_in_scope(variable.value):
+                return variable
+        return None
 
     def check_metric_variables(self, model) -> None:
         """Hook before a train/test function is built: one host's replicas

@@ -173,18 +173,17 @@ class MultiWorkerEngine(MirroredEngine):
         Raises:
             VariablesOutsideScopeError: naming the metric and the fix.
         """
-        extended = self.tf_strategy.extended
-        for variable in model.metrics_variables:
-            if not extended.variable_created_in_scope(variable.value):
-                raise VariablesOutsideScopeError(
-                    f"Metric variable {variable.path!r} was created outside "
-                    "strategy.scope(): under MultiWorkerMirroredStrategy it "
-                    "would be each worker's own, counting that worker's "
-                    "samples only (its values would differ between workers "
-                    "and from one device). Create the metric objects "
-                    "(`keras.metrics.AUC()` and the like) inside `with "
-                    "strategy.scope():`, or pass metrics by name."
-                )
+        outside = self.first_outside_scope(model.metrics_variables)
+        if outside is not None:
+            raise VariablesOutsideScopeError(
+                f"Metric variable {outside.path!r} was created outside "
+                "strategy.scope(): under MultiWorkerMirroredStrategy it would "
+                "be each worker's own, counting that worker's samples only "
+                "(its values would differ between workers and from one "
+                "device). Create the metric objects (`keras.metrics.AUC()` "
+                "and the like) inside `with strategy.scope():`, or pass "
+                "metrics by name."
+            )
 
     @contextlib.contextmanager
     def call_scope(self):
