@@ -1,4 +1,6 @@
-"""Keras variables on parameter servers: atomic counter updates.
+"""Keras variables that several replicas or workers update: on parameter
+servers (concurrent workers) and under CentralStorage (tf.distribute's
+SUM-aggregated central variables), updates that add up.
 
 Keras's `Variable.assign_add` is ``self.assign(self + value)``: a read,
 then a write. Under ParameterServerStrategy several workers update the same
@@ -7,7 +9,8 @@ update is lost (measured: 2 workers, 100 steps, `optimizer.iterations` read
 78 and the loss tracker counted 1312 of 1600 samples). Here those methods
 of each Keras variable whose value lives on a ps task call TensorFlow's own
 `tf.Variable.assign_add` / `assign_sub` (one `AssignAddVariableOp`, run on
-the ps under the variable's lock): no update is lost.
+the ps under the variable's lock): no update is lost. A CentralStorage
+aggregating variable's own `assign_add` sums the replicas' increments.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ from keras_dist._src.backends.tensorflow.inputs import (
 from keras_dist._src.backends.tensorflow.mirrored import MirroredEngine
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.keras_glue import internals as glue
+from keras_dist._src.keras_glue.parameter_server import (
+    make_metric_updates_atomic,
+    make_updates_atomic,
+)
 
 
 def aggregation_creator(next_creator, **kwargs):
@@ -119,57 +123,30 @@ class CentralStorageEngine(MirroredEngine):
 
 
 def _with_summed_updates(model, make):
-    """`make` (a step-function factory) that first gives each SUM-aggregated
-    variable of `model` (metrics) an `assign_add` that sums the replicas'
-    increments. Keras's own is ``assign(self + value)``: summed by the
-    aggregating variable, N replicas would add N times the old total. Its
-    `assign` inside a replica's step adds the difference to the current
-    value the same way: Keras's confusion-matrix metrics (`Precision`,
-    `AUC`, ...) update with ``variable.assign(variable + increment)``
-    (before 5 Dec. 2026 their values drifted from the second step on)."""
+    """`make` (a step-function factory) that first makes the replicas'
+    metric updates add up, as on parameter servers
+    (`keras_glue.parameter_server`).
+
+    Keras's `assign_add` is ``assign(self + value)``, and its
+    confusion-matrix metrics (`Precision`, `AUC`, `MeanIoU`, ...) update
+    with ``variable.assign(variable + increment)``: a SUM-aggregated
+    central variable sums what each replica assigns, N times the old total
+    (the logged loss was wrong from the second step on; those metrics
+    drifted until 5 Dec. 2026). So each such variable's `assign_add` is the
+    aggregating variable's own (it sums the replicas' increments), and each
+    such metric adds the difference of its stateless update."""
 
     def make_function(force=False):
-        for variable in model.variables + model.metrics_variables:
-            value = glue.variable_value(variable)
-            if (
-                _is_aggregating(value)
-                and value.aggregation == tf.VariableAggregation.SUM
-                and "assign_add" not in variable.__dict__
-            ):
-                variable.__dict__["assign_add"] = _summed(variable, 1)
-                variable.__dict__["assign_sub"] = _summed(variable, -1)
-                variable.__dict__["assign"] = _assign_as_increment(variable)
+        make_updates_atomic(
+            v
+            for v in model.variables + model.metrics_variables
+            if _is_aggregating(value := glue.variable_value(v))
+            and value.aggregation == tf.VariableAggregation.SUM
+        )
+        make_metric_updates_atomic(model.metrics)
         return make(force=force)
 
     return make_function
-
-
-def _summed(variable, sign):
-    def update(value):
-        value = tf.convert_to_tensor(value, dtype=variable.dtype)
-        target = glue.variable_value(variable)
-        if sign > 0:
-            return target.assign_add(value)
-        return target.assign_sub(value)
-
-    return update
-
-
-def _assign_as_increment(variable):
-    """`variable.assign`, which inside a replica's step adds the difference
-    from the current value (the aggregating variable sums the replicas'
-    differences: one device's ``self + increment``)."""
-    original = type(variable).assign.__get__(variable)
-
-    def assign(value):
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return original(value)  # cross-replica: `reset_state`, restores
-        target = glue.variable_value(variable)
-        value = tf.convert_to_tensor(value, dtype=variable.dtype)
-        return target.assign_add(value - target.read_value())
-
-    return assign
 
 
 def _first_replica_apply(optimizer):
