@@ -99,9 +99,10 @@ class SPMDEngine:
         # under XLA's 32. Measured with 64-step fits for 60 s under 8 busy
         # processes on 2 cores: unbounded and 30 in flight aborted in the 2nd
         # fit; 16 (1 run), 8 (3 runs), 4 (4 runs) and 2 (3 runs) did not.
-        # 8 in flight is level with unbounded dispatch in `bench_fit`; 2 cost
-        # 1-4 % of a step (see guides/performance.md). Accelerators keep
-        # unbounded dispatch.
+        # In same-process A/B runs 8 was level with unbounded dispatch and 2
+        # up to 9 % slower; in `bench_fit`'s own runs 8 stayed 2-7 % above
+        # unbounded (guides/performance.md, ninth session). Accelerators
+        # keep unbounded dispatch.
         self.max_in_flight = steps_in_flight(self.mesh.devices.flat)
         # An output of each dispatched step that may still run, oldest first.
         self.in_flight = collections.deque()
