@@ -383,6 +383,18 @@ if keras.backend.backend() == "tensorflow":
         model.fit(x, x[:, :1], batch_size=16, verbose=0)
     except keras_dist.VariablesOutsideScopeError as error:
         print("OUTSIDE_METRIC", "auc_outside" in str(error), flush=True)
+else:
+    # JAX and torch: a metric object made outside the scope still counts
+    # every worker's samples (predictions are the rows' sums; lr 0).
+    outside = keras.metrics.MeanAbsoluteError(name="mae_outside")
+    with strategy.scope():
+        ones = keras.layers.Dense(1, kernel_initializer="ones")
+        model = keras.Sequential([keras.Input((4,)), ones])
+        model.compile(keras.optimizers.SGD(0.0), "mse", metrics=[outside])
+    rows = np.arange(256, dtype="float32").reshape(64, 4) / 64
+    history = model.fit(rows, np.zeros((64, 1), "float32"), batch_size=16,
+                        verbose=0)
+    print("OUTSIDE_METRIC", repr(history.history["mae_outside"][0]), flush=True)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
@@ -413,6 +425,15 @@ def test_a_call_on_the_chief_alone_fails_at_once(tmp_path):
     if BACKEND == "tensorflow":  # its counts would be each worker's own
         for rank in (0, 1):
             assert f"[rank {rank}] OUTSIDE_METRIC True" in proc.stdout
+    else:  # a worker counting its own part alone would read 6.97 or 8.97
+        rows = np.arange(256, dtype="float64").reshape(64, 4) / 64
+        expected = np.abs(rows.sum(axis=1)).mean()  # 7.96875
+        for rank in (0, 1):
+            line = f"[rank {rank}] OUTSIDE_METRIC "
+            found = [x for x in proc.stdout.splitlines() if x.startswith(line)]
+            assert len(found) == 1, _failure(proc)
+            value = float(found[0].split(line)[1])
+            np.testing.assert_allclose(value, expected, rtol=1e-6)
 
 
 HUNG = KILLED.replace(
