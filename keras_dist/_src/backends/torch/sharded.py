@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 
 import keras
 import numpy as np
@@ -113,6 +114,7 @@ class DTensorEngine(TorchEngine):
         self.torch_mesh = init_device_mesh(
             self.device.type, mesh.shape, mesh_dim_names=mesh.axis_names
         )
+        flatten_axes(self.torch_mesh, mesh)
         self.batch_axis = plan.batch_axis
         self.batch_parts = mesh.axis_size(self.batch_axis)
         self.batch_index = self.torch_mesh.get_local_rank(self.batch_axis)
@@ -226,6 +228,23 @@ class DTensorEngine(TorchEngine):
                 f"{self.batch_parts} replicas over {self.world_size} "
                 "processes. Use model.fit/evaluate/predict."
             )
+
+
+def flatten_axes(torch_mesh, mesh) -> None:
+    """Gives DTensor a process group for each set of two or more of the
+    mesh's axes (those longer than 1).
+
+    A tensor partial over several axes (a table split over both axes of a
+    2x2 mesh, then tied: its scores) is otherwise reduced by one all-reduce
+    per axis in turn, which torch warns "may give inconsistent results
+    between ranks due to different reduction orders"; DTensor merges them
+    into one all-reduce where such a flattened mesh exists. Collective:
+    every rank creates the same groups in the same order.
+    """
+    axes = [n for n, k in zip(mesh.axis_names, mesh.shape) if k > 1]
+    for size in range(2, len(axes) + 1):
+        for names in itertools.combinations(axes, size):
+            torch_mesh[names]._flatten()
 
 
 def _draw_global_mask(engine):
