@@ -253,6 +253,17 @@ try:
     out["error"] = None
 except keras_dist.LayoutError as error:
     out["error"] = str(error)
+# A layer made on rank 1 alone shifts its layer names (dense_1, dense_2):
+# the keys split other variables there. Refused on both ranks.
+keras.backend.clear_session()
+if rank == 1:
+    keras.layers.Dense(1)
+try:
+    with keras_dist.ModelParallel(layout_map((1, 2)), "batch").scope():
+        compile_model(build_model(seed=0))
+    out["shifted"] = None
+except keras_dist.LayoutError as error:
+    out["shifted"] = str(error)
 # The parameter-server model file: ShardedEmbedding's table row-sharded.
 keras.backend.clear_session()
 mesh = keras_dist.DeviceMesh((1, 2), ("batch", "model"))
@@ -627,6 +638,13 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     # A key that matches no variable.
     assert "'dense_9/kernel'" in logs["error"], logs["error"]
     assert "match no variable" in logs["error"], logs["error"]
+    # Layer names that differ between ranks: both fail, naming the fix.
+    for r in (0, 1):
+        shifted = json.loads((tmp_path / f"logs{r}.json").read_text())
+        message = shifted["shifted"]
+        assert "differ between processes" in message, message
+        assert "dense_1/kernel'" in message, message
+        assert "explicit names" in message, message
 
     # The 1x2 checkpoint, restored into the 2x1 layout and into one device.
     saved = _load(tmp_path / "mp1x2_weights.npz")

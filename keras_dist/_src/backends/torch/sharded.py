@@ -139,15 +139,19 @@ class DTensorEngine(TorchEngine):
         that every LayoutMap key matches a variable."""
         if not getattr(model, "built", False) or not model.variables:
             return
-        if id(model) not in self._checked:
-            paths = [v.path for v in model.variables]
-            plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
-            self._checked.add(id(model))
         pending = [
             (v, layout)
             for v, layout in layouts.variable_layouts(self.plan, model)
             if not isinstance(glue.variable_value(v), DTensor)
         ]
+        if pending:  # first, so that every rank fails alike
+            layouts.check_same_on_every_rank(
+                self.aux_group, pending, f"model {model.name!r}"
+            )
+        if id(model) not in self._checked:
+            paths = [v.path for v in model.variables]
+            plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
+            self._checked.add(id(model))
         if not pending:
             return
         # The chief's values everywhere (one collective a dtype), then
