@@ -395,6 +395,26 @@ else:
     history = model.fit(rows, np.zeros((64, 1), "float32"), batch_size=16,
                         verbose=0)
     print("OUTSIDE_METRIC", repr(history.history["mae_outside"][0]), flush=True)
+    # A layer made on one worker alone shifts its layer names, which the
+    # layout keys match: refused on every worker, not a hang.
+    mesh = keras_dist.DeviceMesh(
+        (1, strategy.num_replicas_in_sync), ("batch", "model"))
+    layouts = keras_dist.LayoutMap(mesh)
+    layouts[".*/dense/kernel"] = (None, "model")
+    layouts[".*/dense_1/kernel"] = ("model", None)
+    keras.backend.clear_session()
+    if not strategy.is_chief:
+        keras.layers.Dense(1)
+    try:
+        with keras_dist.ModelParallel(layouts, "batch").scope():
+            shifted = keras.Sequential([keras.Input((4,)),
+                                        keras.layers.Dense(4),
+                                        keras.layers.Dense(4)])
+            shifted.compile("sgd", "mse")
+        shifted.fit(x, x, batch_size=16, verbose=0)
+        print("SHIFTED None", flush=True)
+    except keras_dist.LayoutError as error:
+        print("SHIFTED", "differ between processes" in str(error), flush=True)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
@@ -434,6 +454,7 @@ def test_a_call_on_the_chief_alone_fails_at_once(tmp_path):
             assert len(found) == 1, _failure(proc)
             value = float(found[0].split(line)[1])
             np.testing.assert_allclose(value, expected, rtol=1e-6)
+            assert f"[rank {rank}] SHIFTED True" in proc.stdout, _failure(proc)
 
 
 HUNG = KILLED.replace(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -427,6 +428,68 @@ def check_unmatched(plan: Plan, paths: Sequence[str], what: str) -> None:
         "nothing (each model is checked on its own: a map shared by "
         "several models in one scope needs it)."
     )
+
+
+def check_same_on_every_process(runtime, entries, what: str) -> None:
+    """Fails on every process, naming the first difference, when the
+    processes would lay out different variables in this place.
+
+    Keras names layers from a per-process counter, so a layer created on
+    some processes only (before the model) shifts the names that LayoutMap
+    keys match there, and the processes split different variables
+    (measured: gloo aborted on torch, JAX waited until the liveness
+    timeout and blamed a hung worker). One `runtime.all_gather` of a
+    string; call it on every process in the same order.
+
+    Args:
+        runtime: the job's Runtime (`all_gather`, `rank`, `world_size`).
+        entries: ``[(path, shape, layout)]`` of this process, in order.
+        what: the model, for the message.
+
+    Raises:
+        LayoutError: on every process, with the first difference and the
+            fix.
+    """
+    if runtime.world_size <= 1:
+        return
+    mine = [
+        [str(path), [int(n) for n in shape], list(layout or ())]
+        for path, shape, layout in entries
+    ]
+    everyone = [json.loads(t) for t in runtime.all_gather(json.dumps(mine))]
+    first = [entry[1:] for entry in everyone[0]]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if [entry[1:] for entry in theirs] == first:
+            continue
+        if len(theirs) != len(first):
+            detail = (
+                f"rank 0 has {len(first)} variables to lay out and rank "
+                f"{rank} has {len(theirs)}"
+            )
+        else:
+            i = next(
+                i
+                for i, (a, b) in enumerate(zip(everyone[0], theirs))
+                if a[1:] != b[1:]
+            )
+
+            def show(entry):
+                path, shape, layout = entry
+                return f"{path!r} {tuple(shape)} laid out {tuple(layout)}"
+
+            detail = (
+                f"variable {i} is {show(everyone[0][i])} on rank 0, but "
+                f"{show(theirs[i])} on rank {rank}"
+            )
+        raise LayoutError(
+            f"The layouts of {what} differ between processes: {detail}. "
+            "Every process must build the same model with the same "
+            "layouts. Keras names layers from a per-process counter, so a "
+            "layer created on some processes only (before the model) "
+            "shifts the names LayoutMap keys match: create the same layers "
+            "in the same order on every process, or give the layers "
+            "explicit names (`name=`) and match those."
+        )
 
 
 def bytes_per_device(plan: Plan, shape, layout, itemsize: int) -> int:

@@ -84,7 +84,7 @@ class _PlanDistribution(keras_distribution.ModelParallel):
 class LayoutPolicy:
     """Variables laid out by the plan over its mesh."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, runtime):
         if not plan.sync_batch_norm:
             raise LayoutError(
                 "sync_batch_norm=False is not available with layouts over a "
@@ -100,6 +100,7 @@ class LayoutPolicy:
                 ),
             )
         self.plan = plan
+        self.runtime = runtime
         self.batch_axis = plan.batch_axis
         mesh = plan.mesh
         by_name = devices_by_name()
@@ -162,10 +163,21 @@ class LayoutPolicy:
         ) == set(self.mesh.devices.flat)
 
     def check_built(self, model) -> None:
-        """Once the model has its variables: every LayoutMap key must match
-        one of them (a key that matches nothing shards nothing)."""
+        """Once the model has its variables: every process lays out the
+        same variables alike (`plan.check_same_on_every_process`), and
+        every LayoutMap key matches one of them (a key that matches
+        nothing shards nothing)."""
         if id(model) in self._checked:
             return
+        # First, so that every process fails alike.
+        plan_lib.check_same_on_every_process(
+            self.runtime,
+            [
+                (v.path, v.shape, self.plan.variable_layout(v.path, v.shape))
+                for v in model.variables
+            ],
+            f"model {model.name!r}",
+        )
         paths = [v.path for v in model.variables]
         plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
         self._checked.add(id(model))
@@ -175,7 +187,7 @@ class ShardedEngine(SPMDEngine):
     """The SPMD engine with variables laid out over a mesh."""
 
     def __init__(self, plan, runtime, input_options=None):
-        policy = LayoutPolicy(plan)
+        policy = LayoutPolicy(plan, runtime)
         super().__init__(policy, policy.plan, runtime, input_options)
 
     def attach(self, model) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import torch
-import torch.distributed as dist
 from keras import tree
 from torch.distributed.tensor import (
     DTensor,
@@ -163,47 +162,6 @@ def variable_layouts(plan, model) -> list:
             by_id[id(variable)] = (None,) * len(variable.shape)
             pairs.append((variable, by_id[id(variable)]))
     return pairs
-
-
-def check_same_on_every_rank(group, pending, what: str) -> None:
-    """Fails on every rank, naming the first difference, when the ranks
-    would lay out different variables (shape or layout) in this place.
-
-    Keras names layers from a per-process counter, so a layer created on
-    one process only shifts the names LayoutMap keys match there: the
-    ranks then split different variables, and the chief's values met a
-    collective of another size (gloo aborted the process). One
-    `all_gather_object` per call that lays out new variables.
-    """
-    mine = [(tuple(v.shape), tuple(layout)) for v, layout in pending]
-    paths = [v.path for v, _ in pending]
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, paths), group=group)
-    first, first_paths = everyone[0]
-    for rank, (theirs, their_paths) in enumerate(everyone[1:], start=1):
-        if theirs == first:
-            continue
-        if len(theirs) != len(first):
-            detail = (
-                f"rank 0 has {len(first)} variables to lay out and rank "
-                f"{rank} has {len(theirs)}"
-            )
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(first, theirs)) if a != b)
-            detail = (
-                f"variable {i} is {first_paths[i]!r} {first[i][0]} laid out "
-                f"{first[i][1]} on rank 0, but {their_paths[i]!r} "
-                f"{theirs[i][0]} laid out {theirs[i][1]} on rank {rank}"
-            )
-        raise LayoutError(
-            f"The layouts of {what} differ between processes: {detail}. "
-            "Every process must build the same model with the same "
-            "layouts. Keras names layers from a per-process counter, so a "
-            "layer created on some processes only (before the model) "
-            "shifts the names LayoutMap keys match: create the same layers "
-            "in the same order on every process, or give the layers "
-            "explicit names (`name=`) and match those."
-        )
 
 
 def _convolution_layout(plan, variable, layout):

@@ -145,8 +145,10 @@ class DTensorEngine(TorchEngine):
             if not isinstance(glue.variable_value(v), DTensor)
         ]
         if pending:  # first, so that every rank fails alike
-            layouts.check_same_on_every_rank(
-                self.aux_group, pending, f"model {model.name!r}"
+            plan_lib.check_same_on_every_process(
+                self.runtime,
+                [(v.path, v.shape, layout) for v, layout in pending],
+                f"model {model.name!r}",
             )
         if id(model) not in self._checked:
             paths = [v.path for v in model.variables]
