@@ -395,6 +395,14 @@ else:
     history = model.fit(rows, np.zeros((64, 1), "float32"), batch_size=16,
                         verbose=0)
     print("OUTSIDE_METRIC", repr(history.history["mae_outside"][0]), flush=True)
+    # A strategy refused for its arguments keeps the job: the next one
+    # (below) works. It used to leave the job, and no strategy could be
+    # made again in the program.
+    try:
+        keras_dist.ModelParallel(keras_dist.LayoutMap(
+            keras_dist.DeviceMesh((3, 1), ("batch", "model"))))
+    except keras_dist.LayoutError as error:
+        print("REFUSED", "needs 3" in str(error), flush=True)
     # A layer made on one worker alone shifts its layer names, which the
     # layout keys match: refused on every worker, not a hang.
     mesh = keras_dist.DeviceMesh(
@@ -454,6 +462,7 @@ def test_a_call_on_the_chief_alone_fails_at_once(tmp_path):
             assert len(found) == 1, _failure(proc)
             value = float(found[0].split(line)[1])
             np.testing.assert_allclose(value, expected, rtol=1e-6)
+            assert f"[rank {rank}] REFUSED True" in proc.stdout, _failure(proc)
             assert f"[rank {rank}] SHIFTED True" in proc.stdout, _failure(proc)
 
 

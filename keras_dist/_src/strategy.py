@@ -12,7 +12,11 @@ from keras_dist._src import backends as backend_lib
 from keras_dist._src import context
 from keras_dist._src.cluster.environments import ClusterEnvironment
 from keras_dist._src.devices import check_devices_exist, normalize_device
-from keras_dist._src.errors import StrategyMixingError
+from keras_dist._src.errors import (
+    LayoutError,
+    StrategyMixingError,
+    UnsupportedBackendError,
+)
 from keras_dist._src.keras_glue import hook
 from keras_dist._src.options import InputOptions
 from keras_dist._src.plan import Plan, ReplicatedPlan
@@ -81,6 +85,12 @@ class Strategy:
             self._engine = module.create_engine(
                 self._plan, runtime=self._runtime, input_options=input_options
             )
+        except (LayoutError, UnsupportedBackendError):
+            # Raised alike on every process (from the arguments and the
+            # job's shape): the job stays joined, so that a corrected
+            # strategy can still be created in this program (neither torch
+            # nor JAX can join a job twice).
+            raise
         except BaseException:
             # Leave the job this process joined, so that it does not hold
             # the others (or its own exit) up.

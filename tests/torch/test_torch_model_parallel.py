@@ -325,7 +325,8 @@ except keras_dist.KerasDistError as error:
     out["alone"] = str(error)
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
-# Last: a strategy that fails to start leaves the job.
+# A strategy refused for its arguments (tests/test_multi_worker.py checks
+# that a later one still starts).
 try:
     keras_dist.ShardedDataParallel(
         input_options=keras_dist.InputOptions(shard_policy="file"))

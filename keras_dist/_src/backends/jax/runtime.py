@@ -63,6 +63,8 @@ class JaxRuntime(HostRuntime):
 
     def shutdown(self) -> None:
         """Leaves the job (`jax.distributed.shutdown`)."""
+        global _left
+        _left = True
         jax.distributed.shutdown()
 
     @staticmethod
@@ -90,12 +92,24 @@ class JaxRuntime(HostRuntime):
             return None
 
 
+# Set once this process has left its job (`JaxRuntime.shutdown`).
+_left = False
+
+
 def _initialize(environment: ClusterEnvironment) -> None:
     """Joins the JAX job (once), before JAX's backends start."""
     from jax._src import distributed
 
     if distributed.global_state.client is not None:
         return  # already initialised (by the user or an earlier strategy)
+    if _left:
+        raise KerasDistError(
+            "This process left its job when a strategy failed to start "
+            "earlier in this program (the error raised then), and "
+            "jax.distributed cannot join a job twice in one process. Fix what "
+            "that error named and create the strategy once, at the top of "
+            "the program."
+        )
     from keras_dist._src.backends.jax.devices import backends_initialized
 
     if backends_initialized():

@@ -150,6 +150,8 @@ class _Job:
 
 
 _job: _Job | None = None
+# Set once this process has left its job (`_shutdown`).
+_left = False
 
 
 def _timeout() -> datetime.timedelta:
@@ -166,6 +168,14 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
             launcher: the other ranks are started here.
     """
     global _job
+    if _job is not None and _left:
+        raise KerasDistError(
+            "This process left its job when a strategy failed to start "
+            "earlier in this program (the error raised then), and "
+            "torch.distributed cannot join a job twice in one process. "
+            "Fix what that error named and create the strategy once, at "
+            "the top of the program."
+        )
     if _job is not None:
         if _job.world_size != len(devices) and len(devices) > 1:
             raise KerasDistError(
@@ -398,6 +408,8 @@ def _init_process_group(backend, environment, listener=None) -> None:
 
 
 def _shutdown() -> None:
+    global _left
+    _left = True
     if _job is not None:
         _job.leave()
         _job.stop_watchdog()
