@@ -427,6 +427,38 @@ with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
 model.fit(x, x[:, :1], batch_size=16, verbose=0)
+
+
+class ChiefStops(keras.callbacks.Callback):
+    # Decides on the chief alone, as a time budget read from one clock.
+    def __init__(self, batch=None, epoch=None):
+        super().__init__()
+        self.batch, self.epoch = batch, epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.model.stop_training = True
+
+
+class Batches(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.seen = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen += 1
+
+
+# stop_training set on the chief alone: every worker stops with it, in the
+# same batch (only the chief runs a batch callback) or after the same epoch.
+for chief_stops in (ChiefStops(batch=1), ChiefStops(epoch=1)):
+    seen = Batches()
+    history = model.fit(x, x[:, :1], batch_size=16, epochs=4, verbose=0,
+                        callbacks=[seen] + [chief_stops] * strategy.is_chief)
+    print("STOPPED", len(history.history["loss"]), seen.seen, flush=True)
 if strategy.is_chief:  # torch's `rank == 0` idiom, for a collective call
     model.evaluate(x, x[:, :1], verbose=0)
 """
@@ -450,6 +482,15 @@ def test_a_call_on_the_chief_alone_fails_at_once(tmp_path):
         in proc.stdout
     ), _failure(proc)
     assert seconds < 200
+    # 64 samples in batches of 16: 4 steps an epoch. The first fit stops
+    # after its 2nd step (1 epoch), the second after 2 epochs (8 steps).
+    for rank in (0, 1):
+        stops = [
+            line.split("STOPPED ")[1]
+            for line in proc.stdout.splitlines()
+            if line.startswith(f"[rank {rank}] STOPPED ")
+        ]
+        assert stops == ["1 2", "2 8"], _failure(proc)
     if BACKEND == "tensorflow":  # its counts would be each worker's own
         for rank in (0, 1):
             assert f"[rank {rank}] OUTSIDE_METRIC True" in proc.stdout

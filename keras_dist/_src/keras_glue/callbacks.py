@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 import keras
+import numpy as np
 from keras import tree
 
 _CHIEF_ONLY = (
@@ -78,4 +79,86 @@ def gate_call_arguments(
         arguments["callbacks"] = _gate(
             tree.flatten(callbacks), saving_is_collective
         )
+    return bound.args, bound.kwargs
+
+
+# -- `model.stop_training` set on some processes only ------------------------
+_BATCH_HOOKS = (
+    "on_batch_begin",
+    "on_batch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+)
+
+
+def _sees_batches(callback) -> bool:
+    """Whether `callback` is the user's own and runs code at each batch
+    (so it may set ``stop_training`` in the middle of an epoch). Keras's
+    and keras_dist's own callbacks decide from values every process sees
+    alike (the reduced logs), or never stop training."""
+    module = type(callback).__module__ or ""
+    if module.split(".")[0] in ("keras", "keras_dist"):
+        return False
+    return any(
+        getattr(type(callback), hook, None)
+        is not getattr(keras.callbacks.Callback, hook)
+        for hook in _BATCH_HOOKS
+    )
+
+
+class _AgreeOnStop(keras.callbacks.Callback):
+    """Last of `fit`'s callbacks: at each epoch's end every process stops
+    if any set ``model.stop_training`` (a callback that decides on one
+    process only, from its own clock or under ``if strategy.is_chief``).
+    Without it that process left the loop and the others waited for it in
+    their next step's collective until the liveness timeout (JAX, torch),
+    or failed with a collective type mismatch (TensorFlow)."""
+
+    _keras_dist_all_ranks = True
+
+    def __init__(self, runtime):
+        super().__init__()
+        self._runtime = runtime
+
+    def _agree(self) -> None:
+        stop = int(bool(getattr(self.model, "stop_training", False)))
+        agreed = self._runtime.all_reduce(np.array([stop], np.int32), "max")
+        self.model.stop_training = bool(agreed[0])
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._agree()
+
+
+class _AgreeOnStopEachBatch(_AgreeOnStop):
+    """The same after each batch too: some process runs a callback of the
+    user's at each batch (one collective a step; Keras then runs the
+    callbacks synchronously, as it does for such a callback anyway)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._agree()
+
+
+def add_stop_agreement(method, args, kwargs, runtime):
+    """Appends the callback that makes every process of a job agree on
+    ``model.stop_training`` to a `fit` call's callbacks (every process
+    calls this: it makes one collective, on whether any process runs a
+    per-batch callback of the user's)."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    arguments = bound.arguments
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        listed = list(callbacks.callbacks)
+    else:
+        listed = list(tree.flatten(callbacks)) if callbacks is not None else []
+    wanted = int(any(_sees_batches(c) for c in listed))
+    each_batch = runtime.all_reduce(np.array([wanted], np.int32), "max")[0]
+    agree = (_AgreeOnStopEachBatch if each_batch else _AgreeOnStop)(runtime)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        arguments["callbacks"] = keras.callbacks.CallbackList(
+            [*listed, agree],
+            model=callbacks.model,
+            **(callbacks.params or {}),
+        )
+    else:
+        arguments["callbacks"] = [*listed, agree]
     return bound.args, bound.kwargs

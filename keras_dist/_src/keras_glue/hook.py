@@ -30,7 +30,10 @@ import itertools
 from keras_dist._src.cluster import supervision
 from keras_dist._src.context import current_strategy
 from keras_dist._src.core.inputs import check_call_inputs
-from keras_dist._src.keras_glue.callbacks import gate_call_arguments
+from keras_dist._src.keras_glue.callbacks import (
+    add_stop_agreement,
+    gate_call_arguments,
+)
 
 _WRAPPED_METHODS = (
     "fit",
@@ -326,6 +329,8 @@ def _in_scope(method, strategy, name):
                 kwargs,
                 saving_is_collective=reads_collectively(strategy),
             )
+            if name == "fit" and runtime.world_size > 1:
+                args, kwargs = add_stop_agreement(method, args, kwargs, runtime)
             try:
                 return method(*args, **kwargs)
             except StopIteration as error:
