@@ -315,9 +315,9 @@ def _in_scope(method, strategy, name):
         from keras_dist._src.context import current_call
 
         runtime = strategy.runtime
-        if current_call() is None and runtime.world_size > 1:
-            if runtime.has_key_values:
-                supervision.agree_on_call(runtime, name)
+        outer = current_call() is None and runtime.world_size > 1
+        if outer and runtime.has_key_values:
+            supervision.agree_on_call(runtime, name)
         with strategy._call_scope(name):
             args, kwargs = engine.prepare_call(name, method, args, kwargs)
             # After the engine's own look at the caller's arguments (which
@@ -329,7 +329,7 @@ def _in_scope(method, strategy, name):
                 kwargs,
                 saving_is_collective=reads_collectively(strategy),
             )
-            if name == "fit" and runtime.world_size > 1:
+            if name == "fit" and outer:
                 args, kwargs = add_stop_agreement(method, args, kwargs, runtime)
             try:
                 return method(*args, **kwargs)
