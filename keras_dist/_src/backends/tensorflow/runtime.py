@@ -19,6 +19,7 @@ import numpy as np
 from keras_dist._src.cluster import supervision
 from keras_dist._src.cluster.environments import detect_environment
 from keras_dist._src.cluster.supervision import liveness_timeout
+from keras_dist._src.errors import KerasDistError
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
 
@@ -80,7 +81,21 @@ class _StoreRuntime(HostRuntime):
         _context().set_config_key_value(key, payload)
 
     def _get(self, key: str) -> np.ndarray:
-        payload = _context().get_config_key_value(key)
+        # A hung worker (alive, so the coordination service's heartbeats
+        # never end the wait) fails the wait after the liveness timeout.
+        seconds = liveness_timeout()
+        try:
+            payload = _context().get_config_key_value(
+                key, timeout_in_ms=seconds * 1000
+            )
+        except Exception as error:  # noqa: BLE001 - TF's own error types
+            raise KerasDistError(
+                f"Worker {self.rank} waited {seconds} s (KERAS_DIST_TIMEOUT) "
+                f"for another worker in a collective of keras_dist ({key}), "
+                "and it did not come: that worker is hung, has failed or "
+                "is making another call. Raise KERAS_DIST_TIMEOUT if a "
+                "worker may legitimately take longer."
+            ) from error
         dtype, _, data = payload.partition(":")
         return np.frombuffer(base64.b64decode(data), np.dtype(dtype)).copy()
 

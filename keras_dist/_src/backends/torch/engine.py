@@ -22,6 +22,7 @@ One device without a job runs Keras's own step (`OneDeviceEngine`).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 
 import numpy as np
@@ -108,8 +109,11 @@ class TorchEngine:
         # Collectives of keras_dist's own (metrics, BatchNorm, the chief's
         # values, custom loops) use their own group, so that their order
         # can never interleave with DDP's asynchronous bucket all-reduces.
+        # Like the job's own group, it waits for a hung rank at most the
+        # liveness timeout (a new group's default is 30 minutes).
         self.aux_group = dist.new_group(
-            backend="nccl" if self.device.type == "cuda" else "gloo"
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=supervision.liveness_timeout()),
         )
         # Per call in progress (innermost last): whether nothing reads the
         # per-step metric values, so their all-reduce can wait until read.

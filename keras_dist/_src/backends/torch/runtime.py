@@ -447,7 +447,9 @@ class TorchRuntime(HostRuntime):
     def __init__(self, job: _Job):
         super().__init__(job.environment)
         self.job = job
-        self._group = dist.new_group(backend="gloo")
+        # At most the liveness timeout for a hung rank, as the job's group
+        # (a new group's default is 30 minutes).
+        self._group = dist.new_group(backend="gloo", timeout=_timeout())
         self._store = None  # a client of the rendezvous store, when used
 
     @property
