@@ -208,6 +208,20 @@ def leave_job(rank: int, world_size: int, set_key, wait_key=None) -> None:
             return
 
 
+def rejoin_error(library: str):
+    """The error for a strategy created after this process left its job
+    (an earlier strategy failed to start): `library` cannot join a job
+    twice in one process."""
+    from keras_dist._src.errors import KerasDistError
+
+    return KerasDistError(
+        "This process left its job when a strategy failed to start earlier "
+        f"in this program (the error raised then), and {library} cannot "
+        "join a job twice in one process. Fix what that error named and "
+        "create the strategy once, at the top of the program."
+    )
+
+
 _CALLS = itertools.count(1)
 
 

@@ -103,13 +103,7 @@ def _initialize(environment: ClusterEnvironment) -> None:
     if distributed.global_state.client is not None:
         return  # already initialised (by the user or an earlier strategy)
     if _left:
-        raise KerasDistError(
-            "This process left its job when a strategy failed to start "
-            "earlier in this program (the error raised then), and "
-            "jax.distributed cannot join a job twice in one process. Fix what "
-            "that error named and create the strategy once, at the top of "
-            "the program."
-        )
+        raise supervision.rejoin_error("jax.distributed")
     from keras_dist._src.backends.jax.devices import backends_initialized
 
     if backends_initialized():

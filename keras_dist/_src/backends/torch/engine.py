@@ -22,7 +22,6 @@ One device without a job runs Keras's own step (`OneDeviceEngine`).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 
 import numpy as np
@@ -33,7 +32,10 @@ from keras import tree
 from keras_dist._src.backends.torch import devices as torch_devices
 from keras_dist._src.backends.torch.devices import torch_device
 from keras_dist._src.backends.torch.inputs import distribute_dataset
-from keras_dist._src.backends.torch.runtime import RankFailedError
+from keras_dist._src.backends.torch.runtime import (
+    RankFailedError,
+    collective_timeout,
+)
 from keras_dist._src.cluster import supervision
 from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.options import InputOptions
@@ -113,7 +115,7 @@ class TorchEngine:
         # liveness timeout (a new group's default is 30 minutes).
         self.aux_group = dist.new_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=supervision.liveness_timeout()),
+            timeout=collective_timeout(),
         )
         # Per call in progress (innermost last): whether nothing reads the
         # per-step metric values, so their all-reduce can wait until read.

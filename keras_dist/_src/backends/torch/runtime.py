@@ -154,7 +154,9 @@ _job: _Job | None = None
 _left = False
 
 
-def _timeout() -> datetime.timedelta:
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective of this job's groups waits for a rank: the
+    liveness timeout (``KERAS_DIST_TIMEOUT``)."""
     return datetime.timedelta(seconds=supervision.liveness_timeout())
 
 
@@ -169,13 +171,7 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
     """
     global _job
     if _job is not None and _left:
-        raise KerasDistError(
-            "This process left its job when a strategy failed to start "
-            "earlier in this program (the error raised then), and "
-            "torch.distributed cannot join a job twice in one process. "
-            "Fix what that error named and create the strategy once, at "
-            "the top of the program."
-        )
+        raise supervision.rejoin_error("torch.distributed")
     if _job is not None:
         if _job.world_size != len(devices) and len(devices) > 1:
             raise KerasDistError(
@@ -369,7 +365,7 @@ def _init_process_group(backend, environment, listener=None) -> None:
             init_method=f"tcp://{environment.coordinator_address}",
             rank=rank,
             world_size=world,
-            timeout=_timeout(),
+            timeout=collective_timeout(),
         )
         return
     host = binding.bind_host(environment)
@@ -390,7 +386,7 @@ def _init_process_group(backend, environment, listener=None) -> None:
             int(environment.coordinator_port),
             world,
             is_master=True,
-            timeout=_timeout(),
+            timeout=collective_timeout(),
             wait_for_workers=False,
             master_listen_fd=listener.detach(),  # the store owns it now
         )
@@ -400,10 +396,14 @@ def _init_process_group(backend, environment, listener=None) -> None:
             int(environment.coordinator_port),
             world,
             is_master=False,
-            timeout=_timeout(),
+            timeout=collective_timeout(),
         )
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=_timeout()
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=collective_timeout(),
     )
 
 
@@ -449,7 +449,9 @@ class TorchRuntime(HostRuntime):
         self.job = job
         # At most the liveness timeout for a hung rank, as the job's group
         # (a new group's default is 30 minutes).
-        self._group = dist.new_group(backend="gloo", timeout=_timeout())
+        self._group = dist.new_group(
+            backend="gloo", timeout=collective_timeout()
+        )
         self._store = None  # a client of the rendezvous store, when used
 
     @property
