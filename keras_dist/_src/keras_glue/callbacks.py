@@ -67,19 +67,30 @@ def gate_call_arguments(
     if "verbose" in inspect.signature(method).parameters:
         arguments["verbose"] = 0
     callbacks = arguments.get("callbacks")
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        # A list the user built: a new one without the chief-only entries
-        # (Keras adds no history or progress bar to a CallbackList).
-        arguments["callbacks"] = keras.callbacks.CallbackList(
-            _gate(callbacks.callbacks, saving_is_collective),
-            model=callbacks.model,
-            **(callbacks.params or {}),
-        )
-    elif callbacks is not None:
-        arguments["callbacks"] = _gate(
-            tree.flatten(callbacks), saving_is_collective
+    if callbacks is not None:
+        arguments["callbacks"] = _replaced(
+            callbacks, _gate(_listed(callbacks), saving_is_collective)
         )
     return bound.args, bound.kwargs
+
+
+def _listed(callbacks) -> list:
+    """The callbacks of a `callbacks=` argument (a list, a CallbackList or
+    None), as a list."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    return list(tree.flatten(callbacks)) if callbacks is not None else []
+
+
+def _replaced(callbacks, listed):
+    """`listed` in place of `callbacks`: a new CallbackList for a list the
+    user built (Keras adds no history or progress bar to one), else a
+    list."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return keras.callbacks.CallbackList(
+            listed, model=callbacks.model, **(callbacks.params or {})
+        )
+    return listed
 
 
 # -- `model.stop_training` set on some processes only ------------------------
@@ -146,19 +157,9 @@ def add_stop_agreement(method, args, kwargs, runtime):
     bound = inspect.signature(method).bind(*args, **kwargs)
     arguments = bound.arguments
     callbacks = arguments.get("callbacks")
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        listed = list(callbacks.callbacks)
-    else:
-        listed = list(tree.flatten(callbacks)) if callbacks is not None else []
+    listed = _listed(callbacks)
     wanted = int(any(_sees_batches(c) for c in listed))
     each_batch = runtime.all_reduce(np.array([wanted], np.int32), "max")[0]
     agree = (_AgreeOnStopEachBatch if each_batch else _AgreeOnStop)(runtime)
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        arguments["callbacks"] = keras.callbacks.CallbackList(
-            [*listed, agree],
-            model=callbacks.model,
-            **(callbacks.params or {}),
-        )
-    else:
-        arguments["callbacks"] = [*listed, agree]
+    arguments["callbacks"] = _replaced(callbacks, [*listed, agree])
     return bound.args, bound.kwargs
