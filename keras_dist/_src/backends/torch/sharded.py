@@ -135,8 +135,9 @@ class DTensorEngine(TorchEngine):
     # -- variables ------------------------------------------------------------
     def lay_out(self, model) -> None:
         """Makes every variable of `model` (optimizer and metrics included)
-        a DTensor with its layout, from the chief's values; checks once
-        that every LayoutMap key matches a variable."""
+        a DTensor with its layout, from the chief's values; checks that
+        every rank lays out the same variables alike and, once, that every
+        LayoutMap key matches a variable."""
         if not getattr(model, "built", False) or not model.variables:
             return
         pending = [
