@@ -105,6 +105,11 @@ class Progress(keras.callbacks.Callback):
 
 
 def fit(model, callbacks):
+    if os.environ.get("CKPT_INPUT") == "tf.data":  # reshuffled each epoch
+        import tensorflow as tf
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64)
+        model.fit(data.batch(8), epochs=3, verbose=0, callbacks=callbacks)
+        return
     model.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0,
               callbacks=callbacks)
 
@@ -194,6 +199,7 @@ def interrupt_and_resume(
     workers=None,
     strategy=None,
     async_save=False,
+    tf_data=False,
 ):
     """Runs the training script, signals it at a random step, restarts
     it; returns the largest relative weight difference to the reference.
@@ -206,6 +212,8 @@ def interrupt_and_resume(
         workers: run that many workers of a MultiWorkerMirroredStrategy
             with ``keras-dist launch`` (which forwards the signal to all).
         async_save: the periodic saves are asynchronous.
+        tf_data: train on a `tf.data` shuffle that reshuffles each epoch,
+            not on NumPy arrays shuffled by `fit`.
     """
     script = write_script(tmp_path)
     backup = tmp_path / "backup"
@@ -214,6 +222,8 @@ def interrupt_and_resume(
         env["CKPT_STRATEGY"] = strategy
     if async_save:
         env["CKPT_ASYNC"] = "1"
+    if tf_data:
+        env["CKPT_INPUT"] = "tf.data"
     command = [sys.executable, str(script)]
     if workers:
         env.pop("KERAS_DIST_CPU_DEVICES", None)

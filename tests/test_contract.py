@@ -217,6 +217,9 @@ KERAS_PRIVATE_NAMES = (
     "_direct_assign",
     "_track_variables",
     "_torch_params",
+    "_dataset",
+    "_get_iterator",
+    "_dataloader",
 )
 GLUE_DIR = SRC / "keras_glue"
 

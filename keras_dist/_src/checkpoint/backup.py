@@ -24,12 +24,19 @@ import keras
 import numpy as np
 
 from keras_dist._src.checkpoint import format as fmt
+from keras_dist._src.checkpoint import (
+    input_replay,
+    preemption,
+    runtime_glue,
+    state,
+)
 from keras_dist._src.checkpoint import manager as manager_lib
-from keras_dist._src.checkpoint import preemption, runtime_glue, state
 from keras_dist._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from keras_dist._src.keras_glue import internals as glue
 
 EPOCH_RNG_PREFIX = "epoch_begin/"
+#: The random states of the input's own generators (`input_replay`).
+INPUT_RNG_PREFIX = "input_rng/"
 CALLBACK_PREFIX = "callbacks/"
 #: Keras callbacks whose state a resume restores, by the attributes that
 #: hold it (Keras resets them in `on_train_begin`; a resumed run would
@@ -160,6 +167,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._wrapped = None  # fit's CallbackList, whose hooks we wrap
         self._unwrap_list = None
         self._others = []  # fit's other callbacks
+        self._inputs = input_replay.InputPosition(None)
         self._reset_position()
 
     def _reset_position(self):
@@ -189,6 +197,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             fmt.clean_temporaries(self.backup_dir)
         frame = _fit_frame(model)
         self._wrap_callback_list(frame)
+        self._inputs = input_replay.InputPosition(
+            None if frame is None else frame.f_locals.get("epoch_iterator")
+        )
         if found is not None:
             self._restore(model, *found)
         if self.save_on_preemption and self.preemption_signals:
@@ -301,6 +312,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             "epoch_rng": state.unprefixed(arrays, EPOCH_RNG_PREFIX),
             "arrays": arrays,
             "callbacks": (metadata.get("user") or {}).get("callbacks") or {},
+            "inputs": position.get("input_iterators"),
+            "input_rng": state.unprefixed(arrays, INPUT_RNG_PREFIX),
         }
         saved_steps = position.get("steps_per_epoch")
         steps = self._steps()
@@ -392,6 +405,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         resume = self._resume
         if resume is not None and epoch == resume["epoch"]:
+            self._inputs.replay(resume["inputs"], resume["input_rng"])
             # After every callback's `on_train_begin`, which resets them.
             _set_callback_states(
                 self._others, resume["callbacks"], resume["arrays"]
@@ -413,6 +427,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
         self._step_in_epoch = 0
         self._epoch_rng = state.capture_rng()
+        self._inputs.epoch_begins()
 
     def _steps_done(self, batch) -> int:
         """Steps of the epoch done after the call that ended at `batch`.
@@ -506,6 +521,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         extra = {}
         if self._step_in_epoch:
             extra = state.prefixed(self._epoch_rng, EPOCH_RNG_PREFIX)
+        extra.update(
+            state.prefixed(
+                self._inputs.arrays(mid_epoch=bool(self._step_in_epoch)),
+                INPUT_RNG_PREFIX,
+            )
+        )
         scalars, arrays = _callback_states(self._others)
         extra.update(arrays)
         position = {
@@ -514,6 +535,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             "global_step": self._global_step,
             "steps_per_epoch": (self.params or {}).get("steps"),
         }
+        inputs = self._inputs.position(mid_epoch=bool(self._step_in_epoch))
+        if inputs is not None:  # a tf.data input (`input_replay`)
+            position["input_iterators"] = inputs
         path = self.manager.save(
             self.model,
             self._global_step,

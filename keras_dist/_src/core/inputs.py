@@ -47,7 +47,7 @@ class DistributedDataset:
     """
 
     def __init__(self, dataset, num_replicas, local_replicas, place):
-        self._dataset = dataset
+        self._source = dataset
         self._num_replicas = int(num_replicas)
         self._local = list(local_replicas)
         self._place = place
@@ -55,7 +55,7 @@ class DistributedDataset:
     def __iter__(self):
         from keras_dist._src.core.shards import split_batch
 
-        for batch in iterate_numpy_batches(self._dataset):
+        for batch in iterate_numpy_batches(self._source):
             parts = split_batch(batch, self._num_replicas)
             yield self._place([parts[i] for i in self._local])
 

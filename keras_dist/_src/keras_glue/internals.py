@@ -458,6 +458,43 @@ def is_tf_dataset(x) -> bool:
     return _data_adapters.is_tf_dataset(x)
 
 
+def input_request(epoch_iterator):
+    """Keras's private `EpochIterator._get_iterator` of `epoch_iterator`:
+    returns what Keras iterates each epoch (on TensorFlow, the same
+    distributed dataset each time)."""
+    return epoch_iterator._get_iterator
+
+
+def count_input_iterators(epoch_iterator, on_make) -> None:
+    """Calls `on_make()` each time `epoch_iterator` (a Keras `EpochIterator`)
+    asks for a new iterator of its input (`input_request`: when an epoch
+    begins, and on TensorFlow once more when one ends)."""
+    original = epoch_iterator._get_iterator
+
+    def _get_iterator():
+        on_make()
+        return original()
+
+    epoch_iterator.__dict__["_get_iterator"] = _get_iterator
+
+
+def epoch_iterator_inputs(iterator) -> list:
+    """What an epoch iterator's data adapter reads: Keras's private
+    `TFDatasetAdapter._dataset` and `TorchDataLoaderAdapter._dataloader`
+    (a `tf.data.Dataset`, a torch `DataLoader`), through keras_dist's
+    adapters that wrap another as ``inner``."""
+    adapter = getattr(iterator, "data_adapter", None)
+    found, seen = [], set()
+    while adapter is not None and id(adapter) not in seen:
+        seen.add(id(adapter))
+        for name in ("_dataset", "_dataloader"):
+            source = getattr(adapter, name, None)
+            if source is not None:
+                found.append(source)
+        adapter = getattr(adapter, "inner", None)
+    return found
+
+
 def get_data_adapter(**kwargs):
     """Keras's private `data_adapters.get_data_adapter`: the adapter `fit`
     would make for these arguments."""

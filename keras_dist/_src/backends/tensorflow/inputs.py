@@ -179,13 +179,28 @@ def for_keras(distributed):
 
 
 class _LazyIterators:
-    """A distributed dataset whose iterators start at their first use."""
+    """A distributed dataset whose iterators start at their first use.
+
+    `iterators_made` counts the real iterators made (each draws a new
+    order from a reshuffling `tf.data` shuffle): a resumed `fit` makes as
+    many as the interrupted one had, with `make_iterator`
+    (`checkpoint.input_replay`).
+    """
 
     def __init__(self, distributed):
         self._distributed = distributed
+        self.iterators_made = 0
 
     def __iter__(self):
-        return LazyIterator(self._distributed)
+        return LazyIterator(self)
+
+    def make_iterator(self):
+        """Makes (and drops) one real iterator, as a first use does."""
+        LazyIterator(self).resolve()
+
+    def _make(self):
+        self.iterators_made += 1
+        return iter(self._distributed)
 
     def __getattr__(self, name):
         if name.startswith("__") or name == "_distributed":
@@ -197,14 +212,14 @@ class LazyIterator:
     """An iterator of a distributed dataset, created at its first use
     (`resolve`: what a step function is given)."""
 
-    def __init__(self, distributed):
-        self._distributed = distributed
+    def __init__(self, lazy):
+        self._lazy = lazy
         self._iterator = None
 
     def resolve(self):
         """The real iterator (created now if it was not yet)."""
         if self._iterator is None:
-            self._iterator = iter(self._distributed)
+            self._iterator = self._lazy._make()
         return self._iterator
 
     def __iter__(self):
@@ -214,7 +229,7 @@ class LazyIterator:
         return next(self.resolve())
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_distributed", "_iterator"):
+        if name.startswith("__") or name in ("_lazy", "_iterator"):
             raise AttributeError(name)
         return getattr(self.resolve(), name)
 
