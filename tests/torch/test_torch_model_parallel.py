@@ -234,6 +234,12 @@ keras_dist.checkpoint.save(model, "ckpt", step=1)
 restored = build(keras_dist.ModelParallel(layout_map((2, 1)), "batch"))
 keras_dist.checkpoint.restore(restored, "ckpt")
 out["restored"] = [w.tolist() for w in restored.get_weights()]
+# Whole values added to and taken from a split variable, on every rank.
+kernel = model.get_layer("dense").kernel
+before = kernel.numpy()
+kernel.assign_add(np.full(before.shape, 0.5, "float32"))
+kernel.assign_sub(np.float32(0.25))
+out["updated"] = float(np.abs(kernel.numpy() - (before + 0.5 - 0.25)).max())
 out["from_jax"] = restore_from_jax()
 train("mp2x1", keras_dist.ModelParallel(layout_map((2, 1)), "batch"))
 train("sdp", keras_dist.ShardedDataParallel())
@@ -559,6 +565,9 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     for name in ("mp1x2", "mp2x1", "sdp"):
         _check_parity(tmp_path, name, 2)
     logs = json.loads((tmp_path / "logs0.json").read_text())
+    # assign_add / assign_sub of a NumPy value on a split variable (torch
+    # refused to mix a tensor and a DTensor before).
+    assert logs["updated"] == 0.0
 
     # Bytes per rank, from each rank's local shards.
     mirrored = logs["mirrored"]

@@ -6,7 +6,8 @@ torch Parameter in its private `_value` (read and set with
 engine (`backends/torch/sharded.py`) swaps that Parameter for one that
 wraps a DTensor. Three more private names are involved, each here:
 `Variable._direct_assign` (where `assign` copies a value in) and
-`Variable.__array__` (what `get_weights()` reads) must accept a DTensor,
+`Variable.__array__` (what `get_weights()` reads) must accept a DTensor
+(and the public `assign_add`/`assign_sub` a whole value for one),
 and `TorchLayer._track_variables` rebuilds a layer's `_torch_params`
 (what `Module.parameters()` and `zero_grad` see) after the swap.
 
@@ -18,22 +19,26 @@ imported inside the functions.
 from __future__ import annotations
 
 
-def replace_torch_variable_methods(make_assign, make_array) -> None:
+def replace_torch_variable_methods(make_assign, make_array, make_update):
     """Replaces the private `_direct_assign` and `__array__` of Keras's
     torch `Variable` class with ``make_assign(original)`` and
-    ``make_array(original)``, once per process (each replacement should
+    ``make_array(original)``, and its `assign_add` and `assign_sub` with
+    ``make_update(original)``, once per process (each replacement should
     fall back to `original` for a plain tensor)."""
     from keras.src.backend.torch.core import Variable
 
     original = Variable._direct_assign
     if getattr(original, "__keras_dist_original__", None) is not None:
         return
-    assign = make_assign(original)
-    assign.__keras_dist_original__ = original
-    array = make_array(Variable.__array__)
-    array.__keras_dist_original__ = Variable.__array__
-    Variable._direct_assign = assign
-    Variable.__array__ = array
+    replaced = {
+        "_direct_assign": make_assign(original),
+        "__array__": make_array(Variable.__array__),
+        "assign_add": make_update(Variable.assign_add),
+        "assign_sub": make_update(Variable.assign_sub),
+    }
+    for name, method in replaced.items():
+        method.__keras_dist_original__ = getattr(Variable, name)
+        setattr(Variable, name, method)
 
 
 def retrack_torch_parameters(layers) -> None:

@@ -7,7 +7,7 @@ for every other optimizer variable (ZeRO: split by size, as a model
 variable); convolution kernels stay whole (torch's DTensor convolution
 follows its input's placements only). And the two methods of Keras's torch
 `Variable` that must accept a DTensor (`dtensor_assign`,
-`dtensor_array`).
+`dtensor_update`, `dtensor_array`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ def to_plain(x):
     return tree.map_structure(plain, x)
 
 
+def _split_like(target, value):
+    """A whole `value` (the same on every rank; broadcast to `target`'s
+    shape) as a DTensor of `target`'s placements: each rank keeps its
+    part, no collective."""
+    local = target.to_local()
+    value = torch.as_tensor(value).to(local.device, local.dtype)
+    value = torch.broadcast_to(value, tuple(target.shape))
+    return distribute_tensor(
+        value, target.device_mesh, target.placements, src_data_rank=None
+    )
+
+
 def dtensor_assign(original):
     """The assignment of Keras's torch `Variable` (replaced through
     `keras_glue.torch_variables`) that splits a whole value into a DTensor
@@ -64,18 +76,32 @@ def dtensor_assign(original):
         target = glue.variable_value(variable)
         if isinstance(target, DTensor) and not isinstance(value, DTensor):
             # A whole value (set_weights, a checkpoint restore) given on
-            # every rank: each keeps its part, no collective.
-            local = target.to_local()
-            value = torch.as_tensor(value).to(local.device, local.dtype)
-            value = distribute_tensor(
-                value,
-                target.device_mesh,
-                target.placements,
-                src_data_rank=None,
-            )
+            # every rank.
+            value = _split_like(target, value)
         return original(variable, value)
 
     return _direct_assign
+
+
+def dtensor_update(original):
+    """`assign_add` / `assign_sub` of Keras's torch `Variable` that take a
+    whole value (a NumPy array, a plain tensor) for a DTensor variable:
+    split like the variable first, as `assign` does (torch refuses to mix
+    a tensor and a DTensor). Python numbers pass as they are."""
+
+    def update(variable, value):
+        target = glue.variable_value(variable)
+        if isinstance(value, keras.Variable):
+            value = glue.variable_value(value)
+        if (
+            isinstance(target, DTensor)
+            and not isinstance(value, (DTensor, int, float, bool))
+            and value is not None
+        ):
+            value = _split_like(target, value)
+        return original(variable, value)
+
+    return update
 
 
 def dtensor_array(original):

@@ -123,7 +123,9 @@ class DTensorEngine(TorchEngine):
         self.batch_placements = tuple(split)
         self.replicated = (Replicate(),) * len(mesh.shape)
         torch_variables.replace_torch_variable_methods(
-            layouts.dtensor_assign, layouts.dtensor_array
+            layouts.dtensor_assign,
+            layouts.dtensor_array,
+            layouts.dtensor_update,
         )
         self._checked = set()
 
