@@ -521,12 +521,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         extra = {}
         if self._step_in_epoch:
             extra = state.prefixed(self._epoch_rng, EPOCH_RNG_PREFIX)
-        extra.update(
-            state.prefixed(
-                self._inputs.arrays(mid_epoch=bool(self._step_in_epoch)),
-                INPUT_RNG_PREFIX,
-            )
-        )
+        # The input's own random state (`input_replay`).
+        count, generators = self._inputs.saved(bool(self._step_in_epoch))
+        extra.update(state.prefixed(generators, INPUT_RNG_PREFIX))
         scalars, arrays = _callback_states(self._others)
         extra.update(arrays)
         position = {
@@ -535,9 +532,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             "global_step": self._global_step,
             "steps_per_epoch": (self.params or {}).get("steps"),
         }
-        inputs = self._inputs.position(mid_epoch=bool(self._step_in_epoch))
-        if inputs is not None:  # a tf.data input (`input_replay`)
-            position["input_iterators"] = inputs
+        if count is not None:  # a tf.data input
+            position["input_iterators"] = count
         path = self.manager.save(
             self.model,
             self._global_step,

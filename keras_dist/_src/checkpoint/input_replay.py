@@ -103,27 +103,25 @@ class InputPosition:
             self._made += 1  # the epoch's generator makes one when read
         self._states_at_epoch_begin = self._generator_states()
 
-    def position(self, mid_epoch: bool) -> dict | None:
-        """The tf.data count a backup records: the iterators made before
-        the saved epoch began (`mid_epoch`), or before the next one (at an
-        epoch's end); None without a tf.data input."""
-        if self._make is None:
-            return None
-        made = self.at_epoch_begin if mid_epoch else self.made
-        return {"backend": self.backend, "made": made}
-
-    def arrays(self, mid_epoch: bool) -> dict:
-        """The DataLoaders' generator states a backup holds: when the
-        saved epoch began (`mid_epoch`), or now (at an epoch's end)."""
+    def saved(self, mid_epoch: bool):
+        """What a backup records, as of the saved epoch's start
+        (`mid_epoch`) or of now (at an epoch's end, the next one's start):
+        the tf.data count (a dict; None without a tf.data input) and the
+        DataLoaders' generator states (arrays by index)."""
         if mid_epoch:
-            return dict(self._states_at_epoch_begin)
-        return self._generator_states()
+            made, states = self.at_epoch_begin, self._states_at_epoch_begin
+        else:
+            made, states = self.made, self._generator_states()
+        count = None
+        if self._make is not None:
+            count = {"backend": self.backend, "made": made}
+        return count, dict(states)
 
     def replay(self, saved, arrays) -> None:
         """Before the resumed epoch begins: makes the tf.data iterators the
-        interrupted run had made (`saved`, a `position`; nothing across
-        backends, a different computation anyway) and sets the
-        DataLoaders' generators to their saved states (`arrays`)."""
+        interrupted run had made (`saved`: the count of `InputPosition.saved`;
+        none across backends, a different computation anyway) and sets
+        the DataLoaders' generators to their saved states (`arrays`)."""
         if self._make is not None and saved:
             if saved.get("backend") == self.backend:
                 target = int(saved.get("made", 0))
