@@ -220,6 +220,7 @@ KERAS_PRIVATE_NAMES = (
     "_dataset",
     "_get_iterator",
     "_dataloader",
+    "_initialize",
 )
 GLUE_DIR = SRC / "keras_glue"
 

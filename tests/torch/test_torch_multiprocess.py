@@ -88,6 +88,11 @@ keras.utils.set_random_seed(100 + rank)   # ranks seeded differently
 init_path = os.path.join(os.path.dirname(out), "init.npz")
 with strategy.scope():
     model = build()
+    lazy = keras.layers.Dense(3)
+# Made in the scope (`lazy` in `run`'s): the chief's initial values.
+strategy.run(lambda: lazy(np.ones((2, 5), "float32")))
+np.savez(f"{out}.built{rank}.npz", *model.get_weights(), *lazy.get_weights())
+with strategy.scope():
     if rank == 0:    # only the chief loads: the others must get a broadcast
         init = np.load(init_path)
         model.set_weights([init[f"arr_{i}"] for i in range(len(init.files))])
@@ -189,10 +194,11 @@ def test_parity_with_one_device(tmp_path, monkeypatch):
         np.testing.assert_allclose(prediction, ref_pred, atol=1e-5)
         csv = tmp_path / f"n{n}.log{rank}.csv"
         assert csv.exists() == (rank == 0), csv
-    first = np.load(tmp_path / f"n{n}.r0.npz")
-    for rank in range(1, n):
-        other = np.load(tmp_path / f"n{n}.r{rank}.npz")
-        assert npz_max_relative_difference(first, other) == 0.0
+    for name in ("r", "built"):
+        first = np.load(tmp_path / f"n{n}.{name}0.npz")
+        for rank in range(1, n):
+            other = np.load(tmp_path / f"n{n}.{name}{rank}.npz")
+            assert npz_max_relative_difference(first, other) == 0.0, name
     print("max relative weight difference:", differences)
 
 

@@ -602,9 +602,15 @@ def replace_variable_array(make) -> None:
     processes cannot be read by NumPy directly."""
     from keras.src.backend.common.variables import Variable
 
-    original = Variable.__array__
+    replace_method_once(Variable, "__array__", make)
+
+
+def replace_method_once(cls, name: str, make) -> None:
+    """Sets ``cls.<name>`` to ``make(original)`` unless keras_dist already
+    replaced it in this process (the replacement remembers the original)."""
+    original = getattr(cls, name)
     if getattr(original, "__keras_dist_original__", None) is not None:
         return
     replacement = make(original)
     replacement.__keras_dist_original__ = original
-    Variable.__array__ = replacement
+    setattr(cls, name, replacement)

@@ -4,7 +4,9 @@ A Keras torch variable (`keras.src.backend.torch.core.Variable`) holds a
 torch Parameter in its private `_value` (read and set with
 `internals.variable_value` / `set_variable_value`); the torch DTensor
 engine (`backends/torch/sharded.py`) swaps that Parameter for one that
-wraps a DTensor. Three more private names are involved, each here:
+wraps a DTensor. `Variable._initialize` (where a new variable takes its
+first value) gives a variable made in a multi-rank scope the chief's
+value. Three more private names are involved, each here:
 `Variable._direct_assign` (where `assign` copies a value in) and
 `Variable.__array__` (what `get_weights()` reads) must accept a DTensor
 (and the public `assign_add`/`assign_sub` a whole value for one),
@@ -17,6 +19,8 @@ imported inside the functions.
 """
 
 from __future__ import annotations
+
+from keras_dist._src.keras_glue.internals import replace_method_once
 
 
 def replace_torch_variable_methods(make_assign, make_array, make_update):
@@ -39,6 +43,15 @@ def replace_torch_variable_methods(make_assign, make_array, make_update):
     for name, method in replaced.items():
         method.__keras_dist_original__ = getattr(Variable, name)
         setattr(Variable, name, method)
+
+
+def replace_torch_variable_initialize(make):
+    """Replaces the private `_initialize` of Keras's torch `Variable` class
+    (where every new variable takes its first value, from an initializer
+    or a given value) with ``make(original)``, once per process."""
+    from keras.src.backend.torch.core import Variable
+
+    replace_method_once(Variable, "_initialize", make)
 
 
 def retrack_torch_parameters(layers) -> None:

@@ -22,6 +22,7 @@ One device without a job runs Keras's own step (`OneDeviceEngine`).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import numpy as np
@@ -38,6 +39,7 @@ from keras_dist._src.backends.torch.runtime import (
 )
 from keras_dist._src.cluster import supervision
 from keras_dist._src.core.rng import replicate_chief_generators
+from keras_dist._src.keras_glue import torch_variables
 from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
@@ -85,6 +87,31 @@ def broadcast_from_chief(group, variables) -> None:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
                 offset += n
+
+
+#: Per thread, the engines whose `scope` is open, innermost last; None
+#: marks a `fit`/`evaluate`/`predict` in progress (its policy syncs state).
+_creating = threading.local()
+
+
+def _creation_stack() -> list:
+    if not hasattr(_creating, "stack"):
+        _creating.stack = []
+    return _creating.stack
+
+
+def _chief_initial_value(original):
+    def _initialize(variable, value):
+        original(variable, value)
+        stack = _creation_stack()
+        if stack and stack[-1] is not None:
+            # Made in a multi-rank scope: the chief's value, as under
+            # tf.distribute's multi-worker strategies (every rank creates
+            # the same variables in the same order, as it builds the same
+            # model).
+            broadcast_from_chief(stack[-1].aux_group, [variable])
+
+    return _initialize
 
 
 class TorchEngine:
@@ -142,10 +169,21 @@ class TorchEngine:
         return self.job.rank == 0
 
     # -- calls ----------------------------------------------------------------
+    @contextlib.contextmanager
     def scope(self):
         """Variables are created as Keras creates them (on this rank's
-        device); a policy takes them over when a model is attached."""
-        return contextlib.nullcontext()
+        device), each with the chief's value (one broadcast a variable), so
+        that a custom loop starts every rank from the same weights however
+        each is seeded; a policy takes them over when a model is attached."""
+        torch_variables.replace_torch_variable_initialize(_chief_initial_value)
+        stack = _creation_stack()
+        # Inside a call (a chief-only callback may open the scope) nothing
+        # is broadcast: the call's policy syncs new state itself.
+        stack.append(None if stack and stack[-1] is None else self)
+        try:
+            yield
+        finally:
+            stack.pop()
 
     def begin_call(self) -> None:
         """A policy's work at the start of every call (nothing here)."""
@@ -155,6 +193,8 @@ class TorchEngine:
         """The chief's random generators (same shuffling on every rank);
         another rank's failure is named."""
         self._defer_metrics.append(False)
+        creation = _creation_stack()
+        creation.append(None)
         try:
             self.begin_call()
             sync_rng_state(self.runtime)
@@ -163,6 +203,7 @@ class TorchEngine:
             self._check_other_ranks(error)
             raise
         finally:
+            creation.pop()
             self._defer_metrics.pop()
 
     @property
