@@ -32,7 +32,7 @@ if keras.backend.backend() != "torch":
 from tests.utils import register_torch_part  # noqa: E402
 
 SCRIPT = """
-import json, os, sys
+import json, os, sys, warnings
 import numpy as np
 import torch
 import keras
@@ -162,8 +162,12 @@ for case in CASES:
 # Saving from every rank.
 with strategy.scope():
     model = small(keras.Sequential)
-    model.compile("sgd", "mse")
-model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.compile("sgd", "mse", jit_compile=True)  # not applied: a warning
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+result["jit_compile_warnings"] = sum(
+    "jit_compile=True" in str(w.message) for w in caught)
 for _ in range(2):
     model.save(os.path.join(out, "model.keras"))
     model.save_weights(os.path.join(out, "model.weights.h5"))
@@ -228,6 +232,8 @@ def test_torch_training_features(torch_parts):
         assert chief[case]["generators_as_plain_keras"], case
         # Every rank drew what the chief drew.
         assert ranks[1][case + "_generators"] == chief[case + "_generators"]
+    # jit_compile=True is not applied: the chief warns once.
+    assert [r["jit_compile_warnings"] for r in ranks] == [1, 0]
     assert (out / "chief.keras").is_file()
     assert ranks[0]["after_chief_save"] == ranks[1]["after_chief_save"]
     assert "failed on the chief" in ranks[1]["failed_save"]

@@ -13,6 +13,8 @@ batch Keras passes, unpacked).
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import torch
 
@@ -45,7 +47,23 @@ class ModelSteps:
     def prepare(self) -> None:
         """The policy's work before a step function is built (none)."""
 
-    def _check_steps_per_execution(self) -> None:
+    def _check_compile_options(self) -> None:
+        if getattr(self.model, "jit_compile", False) is True and not getattr(
+            self, "_jit_compile_noted", False
+        ):
+            # Keras on one torch device compiles its step with
+            # torch.compile; the policy's step (DDP or DTensor collectives,
+            # exact global-batch losses) runs eagerly.
+            self._jit_compile_noted = True
+            if getattr(self.engine, "is_chief", True):
+                warnings.warn(
+                    "compile(jit_compile=True) is not applied by keras_dist's "
+                    "torch step (DDP or DTensor collectives): the step runs "
+                    "eagerly, and its results are one device's. Compile with "
+                    "jit_compile=False (the default on torch) to silence "
+                    "this.",
+                    stacklevel=2,
+                )
         if self.model.steps_per_execution > 1:
             raise ValueError(
                 "`steps_per_execution` must be 1 with the PyTorch backend; "
@@ -68,7 +86,7 @@ class ModelSteps:
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
-        self._check_steps_per_execution()
+        self._check_compile_options()
         self.prepare()
         model.train_function = self.train_function()
         return model.train_function
@@ -90,7 +108,7 @@ class ModelSteps:
         model = self.model
         if getattr(model, attribute) is not None and not force:
             return getattr(model, attribute)
-        self._check_steps_per_execution()
+        self._check_compile_options()
         self.prepare()
 
         def one_step_on_data(data):
