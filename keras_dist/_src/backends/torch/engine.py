@@ -5,9 +5,10 @@ device in a `torch.distributed` job (see `runtime`). `TorchEngine` holds
 what is the same whatever the plan: this rank's device and auxiliary
 process group, the chief's random generators at the start of every call
 (`sync_rng_state`), the chief's values for new state
-(`broadcast_from_chief`; in `scope`, for each variable as it is made), naming another rank's failure instead of this
-rank's consequent error, whether the call in progress reads metric values
-every step (`defer_metric_sync`), and the collectives of custom loops
+(`broadcast_from_chief`; in `scope`, for each variable as it is made),
+naming another rank's failure instead of this rank's consequent error,
+whether the call in progress reads metric values every step
+(`defer_metric_sync`), and the collectives of custom loops
 (`run`/`reduce`/`gather`/`distribute_dataset`).
 
 A plan's *policy* is a subclass that installs its step functions on a
