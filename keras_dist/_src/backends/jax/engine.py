@@ -97,11 +97,11 @@ class SPMDEngine:
         # 200 s, two of the four devices waited all 200 s (4 Dec. 2026). So on
         # CPU devices at most `max_in_flight` steps may be in flight, well
         # under XLA's 32. Measured with 64-step fits for 60 s under 8 busy
-        # processes on 2 cores: unbounded and 30 in flight aborted in the 2nd
-        # fit; 16 (1 run), 8 (3 runs), 4 (4 runs) and 2 (3 runs) did not.
-        # In same-process A/B runs 8 was level with unbounded dispatch and 2
-        # up to 9 % slower; in `bench_fit`'s own runs 8 stayed 2-7 % above
-        # unbounded (guides/performance.md, ninth session). Accelerators
+        # processes on 2 cores: unbounded (4 of 4 runs) and 30 in flight
+        # (1 of 1) aborted; 16 (6 runs; 2 more under 12 busy processes),
+        # 8 (3), 4 (4) and 2 (3) did not. In A/B runs of 96 repeats 8 in
+        # flight stayed 2-4 % above unbounded dispatch and 16 level with it
+        # (guides/performance.md, twelfth session); so 16. Accelerators
         # keep unbounded dispatch.
         self.max_in_flight = steps_in_flight(self.mesh.devices.flat)
         # An output of each dispatched step that may still run, oldest first.
@@ -493,11 +493,11 @@ class _StepFunctions:
 
 
 def steps_in_flight(devices) -> int | None:
-    """How many steps may run at once: 8 on CPU devices (XLA's CPU
+    """How many steps may run at once: 16 on CPU devices (XLA's CPU
     collectives deadlock when many are queued, see `SPMDEngine`); None
     (unbounded asynchronous dispatch) on GPUs and TPUs."""
     if all(d.platform == "cpu" for d in devices):
-        return 8
+        return 16
     return None
 
 
