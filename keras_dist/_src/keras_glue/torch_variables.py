@@ -31,18 +31,10 @@ def replace_torch_variable_methods(make_assign, make_array, make_update):
     fall back to `original` for a plain tensor)."""
     from keras.src.backend.torch.core import Variable
 
-    original = Variable._direct_assign
-    if getattr(original, "__keras_dist_original__", None) is not None:
-        return
-    replaced = {
-        "_direct_assign": make_assign(original),
-        "__array__": make_array(Variable.__array__),
-        "assign_add": make_update(Variable.assign_add),
-        "assign_sub": make_update(Variable.assign_sub),
-    }
-    for name, method in replaced.items():
-        method.__keras_dist_original__ = getattr(Variable, name)
-        setattr(Variable, name, method)
+    replace_method_once(Variable, "_direct_assign", make_assign)
+    replace_method_once(Variable, "__array__", make_array)
+    replace_method_once(Variable, "assign_add", make_update)
+    replace_method_once(Variable, "assign_sub", make_update)
 
 
 def replace_torch_variable_initialize(make):

@@ -23,7 +23,6 @@ One device without a job runs Keras's own step (`OneDeviceEngine`).
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from keras import tree
 
+from keras_dist._src import context
 from keras_dist._src.backends.torch import devices as torch_devices
 from keras_dist._src.backends.torch.devices import torch_device
 from keras_dist._src.backends.torch.inputs import distribute_dataset
@@ -90,27 +90,17 @@ def broadcast_from_chief(group, variables) -> None:
                 offset += n
 
 
-#: Per thread, the engines whose `scope` is open, innermost last; None
-#: marks a `fit`/`evaluate`/`predict` in progress (its policy syncs state).
-_creating = threading.local()
-
-
-def _creation_stack() -> list:
-    if not hasattr(_creating, "stack"):
-        _creating.stack = []
-    return _creating.stack
-
-
 def _chief_initial_value(original):
     def _initialize(variable, value):
         original(variable, value)
-        stack = _creation_stack()
-        if stack and stack[-1] is not None:
-            # Made in a multi-rank scope: the chief's value, as under
-            # tf.distribute's multi-worker strategies (every rank creates
-            # the same variables in the same order, as it builds the same
-            # model).
-            broadcast_from_chief(stack[-1].aux_group, [variable])
+        # Made in a multi-rank torch scope, outside any `fit`/`evaluate`/
+        # `predict` (whose policy syncs new state itself; a chief-only
+        # callback may open the scope there): the chief's value, as under
+        # tf.distribute's multi-worker strategies. Every rank creates the
+        # same variables in the same order, as it builds the same model.
+        engine = getattr(context.current_strategy(), "extended", None)
+        if isinstance(engine, TorchEngine) and not context.call_stack():
+            broadcast_from_chief(engine.aux_group, [variable])
 
     return _initialize
 
@@ -145,6 +135,8 @@ class TorchEngine:
             backend="nccl" if self.device.type == "cuda" else "gloo",
             timeout=collective_timeout(),
         )
+        # Variables made in this engine's scope take the chief's values.
+        torch_variables.replace_torch_variable_initialize(_chief_initial_value)
         # Per call in progress (innermost last): whether nothing reads the
         # per-step metric values, so their all-reduce can wait until read.
         self._defer_metrics = []
@@ -170,21 +162,13 @@ class TorchEngine:
         return self.job.rank == 0
 
     # -- calls ----------------------------------------------------------------
-    @contextlib.contextmanager
     def scope(self):
         """Variables are created as Keras creates them (on this rank's
-        device), each with the chief's value (one broadcast a variable), so
-        that a custom loop starts every rank from the same weights however
-        each is seeded; a policy takes them over when a model is attached."""
-        torch_variables.replace_torch_variable_initialize(_chief_initial_value)
-        stack = _creation_stack()
-        # Inside a call (a chief-only callback may open the scope) nothing
-        # is broadcast: the call's policy syncs new state itself.
-        stack.append(None if stack and stack[-1] is None else self)
-        try:
-            yield
-        finally:
-            stack.pop()
+        device), each with the chief's value (one broadcast a variable,
+        `_chief_initial_value`), so that a custom loop starts every rank
+        from the same weights however each is seeded; a policy takes them
+        over when a model is attached."""
+        return contextlib.nullcontext()
 
     def begin_call(self) -> None:
         """A policy's work at the start of every call (nothing here)."""
@@ -194,8 +178,6 @@ class TorchEngine:
         """The chief's random generators (same shuffling on every rank);
         another rank's failure is named."""
         self._defer_metrics.append(False)
-        creation = _creation_stack()
-        creation.append(None)
         try:
             self.begin_call()
             sync_rng_state(self.runtime)
@@ -204,7 +186,6 @@ class TorchEngine:
             self._check_other_ranks(error)
             raise
         finally:
-            creation.pop()
             self._defer_metrics.pop()
 
     @property

@@ -32,6 +32,7 @@ class ModelSteps:
     def __init__(self, engine, model):
         self.engine = engine
         self.model = model
+        self._jit_compile_noted = False  # warned about jit_compile=True
 
     def install(self) -> None:
         """Replaces the model's step-function factories (on the
@@ -48,8 +49,9 @@ class ModelSteps:
         """The policy's work before a step function is built (none)."""
 
     def _check_compile_options(self) -> None:
-        if getattr(self.model, "jit_compile", False) is True and not getattr(
-            self, "_jit_compile_noted", False
+        if (
+            getattr(self.model, "jit_compile", False) is True
+            and not self._jit_compile_noted
         ):
             # Keras on one torch device compiles its step with
             # torch.compile; the policy's step (DDP or DTensor collectives,
