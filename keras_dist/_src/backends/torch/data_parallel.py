@@ -32,6 +32,9 @@ adds to the engine's glue:
   (as on JAX and TF). Both run Keras's own layer's training forward as one
   autograd function where they can (`batch_norm.sync_call`).
 * Dropout draws the global batch's mask and keeps this shard's rows.
+* Keras's channels-last 2D/3D convolutions and pooling run on a permuted
+  view instead of two transposing copies (`channels_last`): the same
+  results, a faster step.
 
 Each step's shard (sizes, offset, whether it is a stand-in) is one
 `step_context.StepContext`.
@@ -46,7 +49,7 @@ import keras
 import torch
 from keras import tree
 
-from keras_dist._src.backends.torch import inputs
+from keras_dist._src.backends.torch import channels_last, inputs
 from keras_dist._src.backends.torch.batch_norm import (
     average_moving_statistics,
     fusable,
@@ -180,6 +183,9 @@ class StepFunctions(ModelSteps, UserSteps):
                         glue.original_batch_norm_call(layer),
                     ),
                 )
+        # Keras's channels-last convolutions and pooling without their
+        # layout copies (the same bits, `channels_last`).
+        channels_last.install(glue.flatten_layers(model))
         install_global_dropout(model, _draw_shard_mask(self.slot))
         self.metrics.install()
         super().install()
