@@ -53,6 +53,8 @@ def build():
     h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inp)
     h = keras.layers.BatchNormalization()(h)
     h = keras.layers.Activation("relu")(h)
+    # Through keras_dist's channels-last path on the ranks, Keras's here.
+    h = keras.layers.MaxPooling2D(2, strides=1)(h)
     h = keras.layers.Flatten()(h)
     h = keras.layers.Dense(16, activation="relu")(h)
     return keras.Model(inp, keras.layers.Dense(4)(h))
