@@ -27,7 +27,8 @@ subclass with its own ``convolution_op``) and `MaxPooling2D`/`3D`,
 `AveragePooling2D`/`3D` (not a subclass with its own ``call``) this path,
 on the instance. 1D layers are left as they are: torch has no
 channels-last memory format for them, so Keras's one copy would only
-move into torch's kernel.
+move into torch's kernel. Depthwise, separable and transposed
+convolutions keep Keras's path too (their layers' ``call`` holds the op).
 """
 
 from __future__ import annotations

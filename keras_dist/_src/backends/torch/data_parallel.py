@@ -33,8 +33,9 @@ adds to the engine's glue:
   autograd function where they can (`batch_norm.sync_call`).
 * Dropout draws the global batch's mask and keeps this shard's rows.
 * Keras's channels-last 2D/3D convolutions and pooling run on a permuted
-  view instead of two transposing copies (`channels_last`): the same
-  results, a faster step.
+  view instead of two transposing copies (`channels_last`): Keras's
+  outputs bit for bit (a bias gradient may round in its last bit), a
+  faster step.
 
 Each step's shard (sizes, offset, whether it is a stand-in) is one
 `step_context.StepContext`.
@@ -184,7 +185,7 @@ class StepFunctions(ModelSteps, UserSteps):
                     ),
                 )
         # Keras's channels-last convolutions and pooling without their
-        # layout copies (the same bits, `channels_last`).
+        # layout copies (Keras's results: see `channels_last`).
         channels_last.install(glue.flatten_layers(model))
         install_global_dropout(model, _draw_shard_mask(self.slot))
         self.metrics.install()
