@@ -51,6 +51,7 @@ def _orders(ndim):
 
 
 def _channels_last(layer) -> bool:
+    """Whether `layer` reads channels-last input."""
     return getattr(layer, "data_format", None) == "channels_last"
 
 
@@ -75,8 +76,10 @@ def convolution_op(layer):
 def pooling_call(layer):
     """`layer.call(inputs)` of a Keras pooling layer through the permuted
     view."""
-    ops = keras.ops
-    op = ops.max_pool if layer.pool_mode == "max" else ops.average_pool
+    if layer.pool_mode == "max":
+        op = keras.ops.max_pool
+    else:
+        op = keras.ops.average_pool
     first, last = _orders(len(layer.pool_size) + 2)
 
     def call(inputs):
