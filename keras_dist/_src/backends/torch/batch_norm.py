@@ -6,13 +6,16 @@ each rank normalises with its shard's moments and the moving statistics
 become their mean over the ranks that had samples
 (`average_moving_statistics`), as on JAX and TF. Either way a training
 forward of Keras's own layer on a float32 channels-last input runs as one
-autograd function (`sync_call`, `_SyncNormalization`).
+autograd function (`sync_call`, `_SyncNormalization`). Under layouts
+over a mesh (DTensor) the same function normalises a batch split over
+the batch axis (`sharded_call`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from keras_dist._src.core.batch_norm import gathered_moments
 from keras_dist._src.keras_glue import internals as glue
@@ -280,14 +283,19 @@ def fusable(layer) -> bool:
 
 def _normalises_fused(layer, inputs, training, mask, context) -> bool:
     """Whether this call of a `fusable` layer takes `_SyncNormalization`:
-    a training forward on a float32 channels-last input, without a mask.
+    a training forward (`context` set) on a float32 channels-last input,
+    without a mask.
 
     Every condition is the same on every rank (the layer, the dtype, the
     rank of the input; not its size, contiguity or whether this rank's
     shard is empty), so all ranks meet in the same collectives."""
+    return context is not None and _fused_form(layer, inputs, training, mask)
+
+
+def _fused_form(layer, inputs, training, mask) -> bool:
+    """`_normalises_fused` but for the step context."""
     return bool(
-        context is not None
-        and training
+        training
         and mask is None
         and layer.trainable
         and isinstance(inputs, torch.Tensor)
@@ -326,14 +334,92 @@ def sync_call(group, world_size, slot, layer, original):
             # One rank normalises its own samples, a stand-in one too.
             context.gradient_weight if world_size > 1 else 1.0,
         )
-        momentum = layer.momentum
-        layer.moving_mean.assign(
-            moving_mean * momentum + mean * (1.0 - momentum)
-        )
-        layer.moving_variance.assign(
-            moving_variance * momentum + variance * (1.0 - momentum)
+        _update_moving_statistics(
+            layer, moving_mean, moving_variance, mean, variance
         )
         return outputs
+
+    return call
+
+
+def _update_moving_statistics(layer, moving_mean, moving_variance, mean, var):
+    """Keras's update of `layer`'s moving statistics (its `call`'s)."""
+    momentum = layer.momentum
+    layer.moving_mean.assign(moving_mean * momentum + mean * (1.0 - momentum))
+    layer.moving_variance.assign(
+        moving_variance * momentum + var * (1.0 - momentum)
+    )
+
+
+def sharded_call(engine, layer, original):
+    """Returns `layer`'s call (Keras's `original` replaced) for layouts over
+    a mesh (`sharded.DTensorEngine` `engine`): a training forward on a
+    float32 channels-last DTensor split over the batch axis (the engine's
+    `batch_placements`) runs as one `_SyncNormalization` on this rank's
+    part, over the batch axis's process group: one all-gather forward, one
+    all-reduce backward.
+
+    Keras's op on the DTensor takes the same global moments through
+    DTensor's operators, at about six small collectives a layer and step
+    and, in the backward pass, two reduce-scatters of a whole batch's
+    activation (its gradient comes back as a ``Partial`` sum of the global
+    batch). ``gamma`` and ``beta`` enter whole (gathered as DTensor would
+    for the op) and their gradients leave as this rank's ``Partial`` sums,
+    which DTensor reduces to their layouts. Every other call (inference, a
+    mask, another dtype, a batch not split, a channel axis split over
+    another mesh axis) goes to `original`, on every rank alike."""
+    mesh = engine.torch_mesh
+    group = mesh.get_group(engine.batch_axis)
+    parts = engine.batch_parts
+    batch_dim = engine.mesh.axis_names.index(engine.batch_axis)
+    partial = tuple(
+        Partial() if i == batch_dim else Replicate() for i in range(mesh.ndim)
+    )
+
+    def whole(variable):
+        value = variable.value
+        if not isinstance(value, DTensor):
+            return value
+        value = value.redistribute(mesh, engine.replicated)
+        return value.to_local(grad_placements=partial)
+
+    def replicated(tensor):
+        return DTensor.from_local(
+            tensor, mesh, engine.replicated, run_check=False
+        )
+
+    def call(inputs, training=None, mask=None):
+        if not (
+            parts > 1
+            and isinstance(inputs, DTensor)
+            and tuple(inputs.placements) == engine.batch_placements
+            and _fused_form(layer, inputs, training, mask)
+        ):
+            return original(inputs, training=training, mask=mask)
+        outputs, mean, variance = _SyncNormalization.apply(
+            inputs.to_local(),
+            whole(layer.gamma),
+            whole(layer.beta),
+            layer.epsilon,
+            group,
+            parts,
+            1.0,  # every part holds real samples: the batch splits evenly
+        )
+        _update_moving_statistics(
+            layer,
+            layer.moving_mean.value,
+            layer.moving_variance.value,
+            replicated(mean),
+            replicated(variance),
+        )
+        return DTensor.from_local(
+            outputs,
+            mesh,
+            inputs.placements,
+            run_check=False,
+            shape=inputs.shape,
+            stride=inputs.stride(),
+        )
 
     return call
 

@@ -17,9 +17,15 @@ chief's generators); it becomes a DTensor split over the batch axis
 the other axes), or replicated when the batch axis does not divide it, so
 every sample counts once. Keras's own `train_step` then runs unchanged:
 DTensor's operators insert the collectives (all-gathers of sharded
-weights, reductions of gradients and of the loss, metric and
-BatchNormalization statistics over the global batch). Nothing here writes
-a collective, except the broadcast of the chief's initial values.
+weights, reductions of gradients and of the loss, metric statistics over
+the global batch). Two exceptions: the broadcast of the chief's initial
+values, and a training BatchNormalization of a batch split over the batch
+axis, which runs as one function over that axis's process group with the
+global batch's moments (`batch_norm.sharded_call`: one all-gather forward,
+one all-reduce backward, where DTensor's operators take about six small
+collectives and two reduce-scatters of the activation's gradient).
+Keras's channels-last convolutions and pooling run without their layout
+copies (`channels_last`), as under `MirroredStrategy`.
 `Dropout` draws each mask for the global batch as one device does
 (`_draw_global_mask`). Convolution kernels stay whole: torch's DTensor
 convolution follows its input's placements only.
@@ -51,7 +57,12 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keras_dist._src import plan as plan_lib
-from keras_dist._src.backends.torch import layouts, shard_update
+from keras_dist._src.backends.torch import (
+    batch_norm,
+    channels_last,
+    layouts,
+    shard_update,
+)
 from keras_dist._src.backends.torch.engine import (
     OneDeviceEngine,
     TorchEngine,
@@ -389,6 +400,22 @@ class _StepFunctions(ModelSteps):
 
         get_metrics_result.__doc__ = cls.get_metrics_result.__doc__
         model.__dict__["get_metrics_result"] = get_metrics_result
+        layers = glue.flatten_layers(model)
+        for layer in layers:
+            if isinstance(
+                layer, keras.layers.BatchNormalization
+            ) and batch_norm.fusable(layer):
+                glue.replace_batch_norm_call(
+                    layer,
+                    batch_norm.sharded_call(
+                        self.engine,
+                        layer,
+                        glue.original_batch_norm_call(layer),
+                    ),
+                )
+        # Keras's channels-last convolutions and pooling without their
+        # layout copies (Keras's results: see `channels_last`).
+        channels_last.install(layers)
         install_global_dropout(model, _draw_global_mask(self.engine))
         _install_reduced_lookups(model)
         _install_split_inputs(model)
