@@ -21,10 +21,18 @@ each mode, every mode in its own processes, modes interleaved over
 Targets (issue #15 item 8): ``kd_mp / dt_mp`` and ``kd_sdp / fsdp`` no
 larger than ``keras / torch``. Every process uses one thread.
 
+``--model dense`` or ``--model pooled`` trains `bench_torch.py`'s
+convolutional model of that name instead (convolutions with
+BatchNormalization, SGD, cross-entropy; 32x32x3 inputs) in the modes
+``torch``, ``keras``, ``kd_sdp`` and ``fsdp``. keras_dist's BatchNorm is
+synchronised over the global batch; FSDP's ``BatchNorm2d`` normalises each
+process's part (as DDP's on CPUs, where ``SyncBatchNorm`` does not run).
+
 Run::
 
     KERAS_BACKEND=torch python benchmarks/bench_torch_model_parallel.py \\
-        [--steps 30] [--repeats 3] [--width 512] [--batch 64]
+        [--steps 30] [--repeats 3] [--width 512] [--batch 64] \\
+        [--model mlp|dense|pooled]
 """
 
 from __future__ import annotations
@@ -41,17 +49,39 @@ import numpy as np
 WARMUP = 5
 
 
-def _data(samples, width):
+CONV_MODES = ("torch", "keras", "kd_sdp", "fsdp")
+
+
+def _conv(args):
+    """`bench_torch.py` with its model set to `args.model`, or None for the
+    MLP."""
+    if args.model == "mlp":
+        return None
+    os.environ["BENCH_MODEL"] = args.model
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_torch
+
+    return bench_torch
+
+
+def _data(samples, args):
+    conv = _conv(args)
+    if conv is not None:
+        return conv._data(samples)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(samples, width)).astype("float32")
+    x = rng.normal(size=(samples, args.width)).astype("float32")
     y = rng.normal(size=(samples, 16)).astype("float32")
     return x, y
 
 
-def _keras_model(width):
+def _keras_model(args):
     import keras
 
     keras.utils.set_random_seed(0)
+    conv = _conv(args)
+    if conv is not None:
+        return conv._keras_model()
+    width = args.width
     return keras.Sequential(
         [
             keras.Input((width,)),
@@ -62,11 +92,15 @@ def _keras_model(width):
     )
 
 
-def _torch_model(width):
+def _torch_model(args):
     import torch
     from torch import nn
 
     torch.manual_seed(0)
+    conv = _conv(args)
+    if conv is not None:
+        return conv._torch_model()
+    width = args.width
 
     class MLP(nn.Module):
         def __init__(self):
@@ -100,10 +134,16 @@ def _join(world):
     return children
 
 
-def _time_keras(model, x, y, batch, steps):
+def _time_keras(model, x, y, batch, steps, args):
     import keras
 
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    if args.model == "mlp":
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    else:
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
 
     def fit(n):
         model.fit(
@@ -122,18 +162,24 @@ def _time_keras(model, x, y, batch, steps):
     return (time.perf_counter() - start) / steps
 
 
-def _time_torch(module, x, y, batch, steps, rank=0, world=1, sync=None):
+def _time_torch(module, x, y, batch, steps, args, rank=0, world=1, sync=None):
     import torch
 
-    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if args.model == "mlp":
+        optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+
+        def loss_of(outputs, targets):
+            return torch.mean((outputs - targets) ** 2)
+    else:  # bench_torch.py's loop: images as N, C, H, W
+        x = x.permute(0, 3, 1, 2).contiguous()
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+        loss_of = torch.nn.functional.cross_entropy
 
     def step(i):
         lo = (world * i + rank) * batch
         optimizer.zero_grad()
-        loss = torch.mean(
-            (module(x[lo : lo + batch]) - y[lo : lo + batch]) ** 2
-        )
+        loss = loss_of(module(x[lo : lo + batch]), y[lo : lo + batch])
         loss.backward()
         optimizer.step()
 
@@ -151,14 +197,14 @@ def _time_torch(module, x, y, batch, steps, rank=0, world=1, sync=None):
 
 def run_torch(args):
     """Plain torch, one process."""
-    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
-    return _time_torch(_torch_model(args.width), x, y, args.batch, args.steps)
+    x, y = _data(args.batch * (args.steps + WARMUP), args)
+    return _time_torch(_torch_model(args), x, y, args.batch, args.steps, args)
 
 
 def run_keras(args):
     """Keras on torch, one process."""
-    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
-    return _time_keras(_keras_model(args.width), x, y, args.batch, args.steps)
+    x, y = _data(args.batch * (args.steps + WARMUP), args)
+    return _time_keras(_keras_model(args), x, y, args.batch, args.steps, args)
 
 
 def run_kd_mp(args):
@@ -172,10 +218,10 @@ def run_kd_mp(args):
     layouts[".*up/bias"] = ("model",)
     layouts[".*mid/kernel"] = ("model", None)
     strategy = keras_dist.ModelParallel(layouts, "batch")
-    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
+    x, y = _data(args.batch * (args.steps + WARMUP), args)
     with strategy.scope():
-        model = _keras_model(args.width)
-        seconds = _time_keras(model, x, y, args.batch, args.steps)
+        model = _keras_model(args)
+        seconds = _time_keras(model, x, y, args.batch, args.steps, args)
     return _finish(children, seconds)
 
 
@@ -185,10 +231,10 @@ def run_kd_sdp(args):
 
     children = _join(2)
     strategy = keras_dist.ShardedDataParallel()
-    x, y = _data(2 * args.batch * (args.steps + WARMUP), args.width)
+    x, y = _data(2 * args.batch * (args.steps + WARMUP), args)
     with strategy.scope():
-        model = _keras_model(args.width)
-        seconds = _time_keras(model, x, y, 2 * args.batch, args.steps)
+        model = _keras_model(args)
+        seconds = _time_keras(model, x, y, 2 * args.batch, args.steps, args)
     return _finish(children, seconds)
 
 
@@ -206,14 +252,14 @@ def run_dt_mp(args):
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     model = parallelize_module(
-        _torch_model(args.width),
+        _torch_model(args),
         mesh,
         {"up": ColwiseParallel(), "mid": RowwiseParallel()},
     )
-    x, y = _data(args.batch * (args.steps + WARMUP), args.width)
+    x, y = _data(args.batch * (args.steps + WARMUP), args)
     # Model parallel: both ranks compute on the same batch.
     seconds = _time_torch(
-        model, x, y, args.batch, args.steps, sync=dist.barrier
+        model, x, y, args.batch, args.steps, args, sync=dist.barrier
     )
     dist.destroy_process_group()
     return _finish(children, seconds)
@@ -228,14 +274,15 @@ def run_fsdp(args):
     children = _join(2)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
-    model = _torch_model(args.width)
-    for layer in (model.up, model.mid, model.down):
-        fully_shard(layer, mesh=mesh)
+    model = _torch_model(args)
+    for layer in model.children():
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     rank = dist.get_rank()
-    x, y = _data(2 * args.batch * (args.steps + WARMUP), args.width)
+    x, y = _data(2 * args.batch * (args.steps + WARMUP), args)
     seconds = _time_torch(
-        model, x, y, args.batch, args.steps, rank, 2, sync=dist.barrier
+        model, x, y, args.batch, args.steps, args, rank, 2, sync=dist.barrier
     )
     dist.destroy_process_group()
     return _finish(children, seconds)
@@ -260,7 +307,7 @@ MODES = {
 def _measure(mode, args):
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
     command = [sys.executable, __file__, "--mode", mode]
-    for flag in ("steps", "width", "batch"):
+    for flag in ("steps", "width", "batch", "model"):
         command += [f"--{flag}", str(getattr(args, flag))]
     proc = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=900
@@ -279,19 +326,27 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "dense", "pooled"),
+        default="mlp",
+        help="the MLP, or one of bench_torch.py's convolutional models",
+    )
     args = parser.parse_args()
     if args.mode:
         seconds = MODES[args.mode](args)
         if seconds is not None:
             print(f"STEP_SECONDS {seconds:.6f}", flush=True)
         return
-    runs = {mode: [] for mode in MODES}
+    modes = list(MODES) if args.model == "mlp" else list(CONV_MODES)
+    runs = {mode: [] for mode in modes}
     for _ in range(args.repeats):
-        for mode in MODES:
+        for mode in modes:
             runs[mode].append(_measure(mode, args))
+    what = f"MLP width {args.width}" if args.model == "mlp" else args.model
     print(
-        f"median of {args.repeats} interleaved runs, MLP width "
-        f"{args.width}, batch {args.batch}:"
+        f"median of {args.repeats} interleaved runs, {what}, "
+        f"batch {args.batch}:"
     )
     for mode, values in runs.items():
         print(f"{mode:>7}: {1000 * np.median(values):8.2f} ms/step")
@@ -300,6 +355,8 @@ def main():
         ("kd_mp", "dt_mp", ""),
         ("kd_sdp", "fsdp", ""),
     ]:
+        if a not in runs:
+            continue
         ratios = np.array(runs[a]) / np.array(runs[b])
         print(
             f"{a} / {b}: {np.median(runs[a]) / np.median(runs[b]):.3f} "
