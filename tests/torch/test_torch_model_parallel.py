@@ -304,10 +304,35 @@ with strategy.scope():
     model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
 rng = np.random.default_rng(0)
-fit_and_keep(
-    "embedding", model, rng.integers(0, 12, (40, 3)).astype("int32"),
-    rng.normal(size=(40, 1)).astype("float32"))
+embedding_data = (rng.integers(0, 12, (40, 3)).astype("int32"),
+                  rng.normal(size=(40, 1)).astype("float32"))
+fit_and_keep("embedding", model, *embedding_data)
 out["table"] = describe(strategy, model)["model/table/embeddings"]
+# The same model under ShardedDataParallel: the table is split by rows
+# over the batch axis (min_size: this small one too), and the lookup's
+# output is split by batch rows again, so that the layers after it
+# compute on this rank's rows only.
+keras.backend.clear_session()
+with keras_dist.ShardedDataParallel(min_size=16).scope():
+    keras.utils.set_random_seed(rank)
+    ids_in = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(12, 4, name="table")(ids_in)
+    h = keras.layers.Dense(3, name="proj")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+fit_and_keep("embedding_sdp", model, *embedding_data)
+table, lookups = model.get_layer("table"), []
+lookup = table.__dict__["call"]  # keras_dist's, installed by the fit
+def spy(*args, **kwargs):
+    result = lookup(*args, **kwargs)
+    lookups.append([repr(p) for p in result.placements])
+    return result
+table.__dict__["call"] = spy
+model.fit(*embedding_data, batch_size=8, epochs=1, steps_per_epoch=1,
+          verbose=0)
+out["sdp_lookup"] = [lookups[-1], [repr(p) for p in
+                                   table.embeddings.value.placements]]
 # MultiHeadAttention, its heads split over "model" (on CPUs attention runs
 # torch's math kernel: DTensor has no rule for the flash kernel's backward).
 keras.backend.clear_session()
@@ -626,6 +651,17 @@ def test_two_processes_layouts_match_one_device(tmp_path):
         tmp_path / "embedding_init.npz", data["ids"], data["target"],
     )  # fmt: skip
     got = _load(tmp_path / "embedding_weights.npz")
+    assert max_relative_difference(reference.get_weights(), got) <= 1e-5
+    # Under ShardedDataParallel too, with the lookup's output split by
+    # batch rows (before: whole on both ranks, the global batch computed
+    # twice and each Dense output all-reduced).
+    output, table = logs["sdp_lookup"]
+    assert output == table == ["Shard(dim=0)"], (output, table)
+    _train_reference(
+        reference, keras.optimizers.Adam(0.05),
+        tmp_path / "embedding_sdp_init.npz", data["ids"], data["target"],
+    )  # fmt: skip
+    got = _load(tmp_path / "embedding_sdp_weights.npz")
     assert max_relative_difference(reference.get_weights(), got) <= 1e-5
 
     # MultiHeadAttention with its heads split, then a LayerNormalization

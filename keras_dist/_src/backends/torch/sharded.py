@@ -306,8 +306,10 @@ def _install_reduced_lookups(model) -> None:
 
 def _reduced_lookup(layer, original):
     def call(*args, **kwargs):
+        ids = None
         if args and not (kwargs.get("reverse") or args[1:2] == (True,)):
-            args = (_ids_whole_where_table_split(layer, args[0]),) + args[1:]
+            ids = args[0]
+            args = (_ids_whole_where_table_split(layer, ids),) + args[1:]
         outputs = original(*args, **kwargs)
         if isinstance(outputs, DTensor) and any(
             p.is_partial() for p in outputs.placements
@@ -326,10 +328,31 @@ def _reduced_lookup(layer, original):
             outputs = DTensor.from_local(
                 local, mesh, placements, run_check=False
             )
+            outputs = _split_as_ids(outputs, ids)
         return outputs
 
     call.__doc__ = getattr(original, "__doc__", None)
     return call
+
+
+def _split_as_ids(outputs, ids):
+    """A reduced lookup's output split again by batch rows over each mesh
+    axis that split the ids by rows (and that the output is whole on): the
+    ids were gathered for the lookup (`_ids_whole_where_table_split`), and
+    without this every later layer computes the whole global batch on every
+    rank of that axis (``ShardedDataParallel``, whose table is split by
+    rows over the batch axis: no data parallelism after an `Embedding`,
+    and each `Dense` then splits its input by features and all-reduces its
+    whole output). A local slice; its backward gathers the gradient."""
+    if not isinstance(ids, DTensor) or ids.ndim < 1:
+        return outputs
+    placements = tuple(
+        Shard(0) if p.is_shard(0) and o.is_replicate() else o
+        for p, o in zip(ids.placements, outputs.placements)
+    )
+    if placements == tuple(outputs.placements):
+        return outputs
+    return outputs.redistribute(outputs.device_mesh, placements)
 
 
 def _ids_whole_where_table_split(layer, ids):
