@@ -27,12 +27,16 @@ BatchNormalization, SGD, cross-entropy; 32x32x3 inputs) in the modes
 ``torch``, ``keras``, ``kd_sdp`` and ``fsdp``. keras_dist's BatchNorm is
 synchronised over the global batch; FSDP's ``BatchNorm2d`` normalises each
 process's part (as DDP's on CPUs, where ``SyncBatchNorm`` does not run).
+``--model lm`` trains a small transformer classifier in those modes
+(``Embedding(1000, 64)`` of 32 ids, one attention block of 4 heads with
+a 128-wide feed-forward, LayerNorms, mean over the sequence, 4 classes;
+SGD, cross-entropy).
 
 Run::
 
     KERAS_BACKEND=torch python benchmarks/bench_torch_model_parallel.py \\
         [--steps 30] [--repeats 3] [--width 512] [--batch 64] \\
-        [--model mlp|dense|pooled]
+        [--model mlp|dense|pooled|lm]
 """
 
 from __future__ import annotations
@@ -49,13 +53,14 @@ import numpy as np
 WARMUP = 5
 
 
-CONV_MODES = ("torch", "keras", "kd_sdp", "fsdp")
+OTHER_MODES = ("torch", "keras", "kd_sdp", "fsdp")  # conv models, lm
+VOCAB, SEQUENCE, WIDTH, CLASSES = 1000, 32, 64, 4  # lm
 
 
 def _conv(args):
     """`bench_torch.py` with its model set to `args.model`, or None for the
-    MLP."""
-    if args.model == "mlp":
+    MLP and the transformer."""
+    if args.model in ("mlp", "lm"):
         return None
     os.environ["BENCH_MODEL"] = args.model
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +74,9 @@ def _data(samples, args):
     if conv is not None:
         return conv._data(samples)
     rng = np.random.default_rng(0)
+    if args.model == "lm":
+        x = rng.integers(0, VOCAB, (samples, SEQUENCE)).astype("int32")
+        return x, rng.integers(0, CLASSES, (samples,))
     x = rng.normal(size=(samples, args.width)).astype("float32")
     y = rng.normal(size=(samples, 16)).astype("float32")
     return x, y
@@ -81,6 +89,16 @@ def _keras_model(args):
     conv = _conv(args)
     if conv is not None:
         return conv._keras_model()
+    if args.model == "lm":
+        layers = keras.layers
+        ids = keras.Input((SEQUENCE,), dtype="int32")
+        h = layers.Embedding(VOCAB, WIDTH)(ids)
+        a = layers.MultiHeadAttention(4, WIDTH // 4)(h, h)
+        h = layers.LayerNormalization(epsilon=1e-5)(h + a)
+        f = layers.Dense(2 * WIDTH, activation="gelu")(h)
+        h = layers.LayerNormalization(epsilon=1e-5)(h + layers.Dense(WIDTH)(f))
+        h = layers.GlobalAveragePooling1D()(h)
+        return keras.Model(ids, layers.Dense(CLASSES)(h))
     width = args.width
     return keras.Sequential(
         [
@@ -100,6 +118,8 @@ def _torch_model(args):
     conv = _conv(args)
     if conv is not None:
         return conv._torch_model()
+    if args.model == "lm":
+        return _torch_lm()
     width = args.width
 
     class MLP(nn.Module):
@@ -115,6 +135,33 @@ def _torch_model(args):
             return self.down(x)
 
     return MLP()
+
+
+def _torch_lm():
+    """`_keras_model`'s transformer in plain torch."""
+    import torch
+    from torch import nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(VOCAB, WIDTH)
+            self.attention = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+            self.norm1 = nn.LayerNorm(WIDTH)
+            self.up = nn.Linear(WIDTH, 2 * WIDTH)
+            self.down = nn.Linear(2 * WIDTH, WIDTH)
+            self.norm2 = nn.LayerNorm(WIDTH)
+            self.head = nn.Linear(WIDTH, CLASSES)
+
+        def forward(self, ids):
+            h = self.embedding(ids)
+            a, _ = self.attention(h, h, h, need_weights=False)
+            h = self.norm1(h + a)
+            f = self.down(nn.functional.gelu(self.up(h)))
+            h = self.norm2(h + f)
+            return self.head(torch.mean(h, 1))
+
+    return LM()
 
 
 def _join(world):
@@ -171,8 +218,9 @@ def _time_torch(module, x, y, batch, steps, args, rank=0, world=1, sync=None):
 
         def loss_of(outputs, targets):
             return torch.mean((outputs - targets) ** 2)
-    else:  # bench_torch.py's loop: images as N, C, H, W
-        x = x.permute(0, 3, 1, 2).contiguous()
+    else:
+        if args.model != "lm":  # bench_torch.py's loop: N, C, H, W images
+            x = x.permute(0, 3, 1, 2).contiguous()
         optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
         loss_of = torch.nn.functional.cross_entropy
 
@@ -328,9 +376,10 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument(
         "--model",
-        choices=("mlp", "dense", "pooled"),
+        choices=("mlp", "dense", "pooled", "lm"),
         default="mlp",
-        help="the MLP, or one of bench_torch.py's convolutional models",
+        help="the MLP, bench_torch.py's convolutional models, or a small "
+        "transformer",
     )
     args = parser.parse_args()
     if args.mode:
@@ -338,7 +387,7 @@ def main():
         if seconds is not None:
             print(f"STEP_SECONDS {seconds:.6f}", flush=True)
         return
-    modes = list(MODES) if args.model == "mlp" else list(CONV_MODES)
+    modes = list(MODES) if args.model == "mlp" else list(OTHER_MODES)
     runs = {mode: [] for mode in modes}
     for _ in range(args.repeats):
         for mode in modes:
