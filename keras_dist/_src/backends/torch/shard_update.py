@@ -30,7 +30,7 @@ took 0.70 of its time).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from keras_dist._src.keras_glue import internals as glue
 
@@ -88,9 +88,10 @@ def install(optimizer) -> None:
 
 
 def _bucket_of(grad, variable):
-    """``(group, "all_reduce" | "reduce_scatter", dim)`` for a gradient
-    that is a `Partial` sum over a 1-D mesh whose variable is replicated
-    or evenly split on that mesh; None for any other."""
+    """``(group, dtype, "all_reduce" | "reduce_scatter"), dim`` for a
+    gradient that is a plain `Partial` sum (not a masked one, whose local
+    values are not yet the shares) over a 1-D mesh whose variable is
+    replicated or evenly split on that mesh; None for any other."""
     target = glue.variable_value(variable)
     if not (isinstance(grad, DTensor) and isinstance(target, DTensor)):
         return None
@@ -99,12 +100,13 @@ def _bucket_of(grad, variable):
         return None
     (placement,) = grad.placements
     (wanted,) = target.placements
-    if not (placement.is_partial() and placement.reduce_op == "sum"):
+    if type(placement) is not Partial or placement.reduce_op != "sum":
         return None
+    key = (mesh.get_group(), grad.dtype)
     if wanted.is_replicate():
-        return mesh.get_group(), "all_reduce", None
+        return (*key, "all_reduce"), None
     if wanted.is_shard() and grad.shape[wanted.dim] % mesh.size() == 0:
-        return mesh.get_group(), "reduce_scatter", wanted.dim
+        return (*key, "reduce_scatter"), wanted.dim
     return None
 
 
@@ -119,9 +121,10 @@ _reduce_scatter = getattr(
 def _reduce_together(grads, variables):
     """The `Partial` gradients over a 1-D mesh (every one under
     `ShardedDataParallel`) reduced in one all-reduce (those of replicated
-    variables) and one reduce-scatter (those of split ones) per mesh,
-    instead of one collective each; returns `grads` with those entries
-    replaced by this rank's local tensors (the others as they were).
+    variables) and one reduce-scatter (those of split ones) per mesh and
+    dtype, instead of one collective each; returns `grads` with those
+    entries replaced by this rank's local tensors (the others as they
+    were).
 
     The sums are the same elementwise sums DTensor's redistribution takes
     (of the same two partial values on 2 ranks; on more, gloo's ring may
@@ -130,9 +133,9 @@ def _reduce_together(grads, variables):
     for i, (grad, variable) in enumerate(zip(grads, variables)):
         bucket = _bucket_of(grad, variable)
         if bucket is not None:
-            group, kind, dim = bucket
-            buckets.setdefault((group, kind), []).append((i, dim))
-    for (group, kind), entries in buckets.items():
+            key, dim = bucket
+            buckets.setdefault(key, []).append((i, dim))
+    for (group, _, kind), entries in buckets.items():
         world = torch.distributed.get_world_size(group)
         with torch.no_grad():
             locals_ = [grads[i].to_local() for i, _ in entries]
