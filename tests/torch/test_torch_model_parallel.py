@@ -321,15 +321,22 @@ mesh = keras_dist.DeviceMesh((1, 2), ("batch", "model"))
 layouts = keras_dist.LayoutMap(mesh)
 layouts[".*table/embeddings"] = ("model", None)
 strategy = keras_dist.ModelParallel(layouts, "batch")
-with strategy.scope():
-    keras.utils.set_random_seed(rank)
-    ids_in = keras.Input((3,), dtype="int32")
-    h = keras_dist.layers.ShardedEmbedding(12, 4, name="table")(ids_in)
-    # A Dense on the lookup's [batch, ids, 4] output reshapes it.
-    h = keras.layers.Dense(3, name="proj")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+
+
+def lookup_model(strategy, embedding):
+    with strategy.scope():
+        keras.utils.set_random_seed(rank)
+        ids_in = keras.Input((3,), dtype="int32")
+        h = embedding(12, 4, name="table")(ids_in)
+        # A Dense on the lookup's [batch, ids, 4] output reshapes it.
+        h = keras.layers.Dense(3, name="proj")(h)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+model = lookup_model(strategy, keras_dist.layers.ShardedEmbedding)
 rng = np.random.default_rng(0)
 embedding_data = (rng.integers(0, 12, (40, 3)).astype("int32"),
                   rng.normal(size=(40, 1)).astype("float32"))
@@ -340,14 +347,8 @@ out["table"] = describe(strategy, model)["model/table/embeddings"]
 # output is split by batch rows again, so that the layers after it
 # compute on this rank's rows only.
 keras.backend.clear_session()
-with keras_dist.ShardedDataParallel(min_size=16).scope():
-    keras.utils.set_random_seed(rank)
-    ids_in = keras.Input((3,), dtype="int32")
-    h = keras.layers.Embedding(12, 4, name="table")(ids_in)
-    h = keras.layers.Dense(3, name="proj")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    model = keras.Model(ids_in, keras.layers.Dense(1, name="head")(h))
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+model = lookup_model(keras_dist.ShardedDataParallel(min_size=16),
+                     keras.layers.Embedding)
 fit_and_keep("embedding_sdp", model, *embedding_data)
 table, lookups = model.get_layer("table"), []
 lookup = table.__dict__["call"]  # keras_dist's, installed by the fit
