@@ -84,28 +84,28 @@ def describe(strategy, model):
     }}
 
 
-def counting(cls):
-    # Counts calls of a torch autograd Function `cls` (its `apply`).
-    calls, apply = [0], cls.apply
-    def counted(*args):
-        calls[0] += 1
-        return apply(*args)
-    cls.apply = counted
-    return calls
+def counter(function):
+    # `function`, counting its calls in `.calls`.
+    def counted(*args, **kwargs):
+        counted.calls += 1
+        return function(*args, **kwargs)
+    counted.calls = 0
+    return counted
 
 
 # A training BatchNorm of a batch split over "batch": one fused function.
 from keras_dist._src.backends.torch import batch_norm as _batch_norm
-fused = counting(_batch_norm._SyncNormalization)
+fused = _batch_norm._SyncNormalization
+fused.apply = counter(fused.apply)
 
 
 def train(name, strategy):
     model = build(strategy)
     init = model.get_weights()  # every rank: a gather of the shards
-    fused[0] = 0
+    fused.apply.calls = 0
     history = model.fit(x, y, sample_weight=sw, batch_size={BATCH},
                         epochs={EPOCHS}, shuffle=False, verbose=0)
-    fused_calls = fused[0]
+    fused_calls = fused.apply.calls
     evaluation = model.evaluate(x, y, sample_weight=sw, batch_size=7,
                                 verbose=0, return_dict=True)
     predictions = model.predict(x[:10], batch_size=4, verbose=0)
@@ -267,22 +267,18 @@ model = train("sdp", keras_dist.ShardedDataParallel())
 import torch.distributed as torch_dist
 from keras_dist._src.backends.torch import shard_update
 reduced = {"grads": 0, "collectives": 0}
-def counted(collective):
-    def run(*args, **kwargs):
-        reduced["collectives"] += 1
-        return collective(*args, **kwargs)
-    return run
 together = shard_update._reduce_together
 def counting_together(grads, variables):
     saved = torch_dist.all_reduce, shard_update._reduce_scatter
-    torch_dist.all_reduce = counted(saved[0])
-    shard_update._reduce_scatter = counted(saved[1])
+    torch_dist.all_reduce = all_reduce = counter(saved[0])
+    shard_update._reduce_scatter = reduce_scatter = counter(saved[1])
     before = list(grads)
     try:
         result = together(grads, variables)
     finally:
         torch_dist.all_reduce, shard_update._reduce_scatter = saved
     reduced["grads"] += sum(g is not r for g, r in zip(before, result))
+    reduced["collectives"] += all_reduce.calls + reduce_scatter.calls
     return result
 shard_update._reduce_together = counting_together
 model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
