@@ -281,9 +281,16 @@ def counting_together(grads, variables):
     reduced["collectives"] += all_reduce.calls + reduce_scatter.calls
     return result
 shard_update._reduce_together = counting_together
+# And the all-gathers of the layers' split variables: the Dense kernel's,
+# once forward and once again backward (autograd keeps no whole value).
+from keras_dist._src.backends.torch import layer_gather
+gather = layer_gather._all_gather
+layer_gather._all_gather = counter(gather)
 model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
 shard_update._reduce_together = together
-out["sdp_reduce"] = [reduced, len(model.trainable_weights)]
+out["sdp_reduce"] = [reduced, len(model.trainable_weights),
+                     layer_gather._all_gather.calls]
+layer_gather._all_gather = gather
 mirrored = keras_dist.MirroredStrategy()
 model = build(mirrored)
 with mirrored.scope():
@@ -367,14 +374,21 @@ layouts[".*mha/attention_output/kernel"] = ("model", None, None)
 # last batch): DTensor split that batch's gradient unevenly by rows.
 layouts[".*head/kernel"] = ("model", None)
 strategy = keras_dist.ModelParallel(layouts, "batch")
-with strategy.scope():
-    keras.utils.set_random_seed(rank)
-    seq_in = keras.Input((6, 8))
-    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seq_in, seq_in)
-    h = keras.layers.LayerNormalization(name="ln")(seq_in + h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    model = keras.Model(seq_in, keras.layers.Dense(4, name="head")(h))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+
+
+def mha_model(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(rank)
+        seq_in = keras.Input((6, 8))
+        h = keras.layers.MultiHeadAttention(2, 4, name="mha")(seq_in, seq_in)
+        h = keras.layers.LayerNormalization(name="ln")(seq_in + h)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(seq_in, keras.layers.Dense(4, name="head")(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+model = mha_model(strategy)
 seqs = rng.normal(size=(15, 6, 8)).astype("float32")
 targets = rng.normal(size=(15, 4)).astype("float32")
 init = model.get_weights()
@@ -396,6 +410,22 @@ try:
     out["alone"] = None
 except keras_dist.KerasDistError as error:
     out["alone"] = str(error)
+# The same model under ShardedDataParallel (min_size: these small kernels
+# split too): MultiHeadAttention's four kernels gathered in one collective,
+# the head's in another, each once forward and once again backward.
+keras.backend.clear_session()
+strategy = keras_dist.ShardedDataParallel(min_size=16)
+model = mha_model(strategy)
+init = model.get_weights()
+layer_gather._all_gather = counter(gather)
+model.fit(seqs, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
+out["mha_sdp"] = [describe(strategy, model)["model/mha/query/kernel"],
+                  layer_gather._all_gather.calls]
+layer_gather._all_gather = gather
+weights = model.get_weights()
+if rank == 0:
+    np.savez("mha_sdp_init.npz", *init)
+    np.savez("mha_sdp_weights.npz", *weights)
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
 # A strategy refused for its arguments (tests/test_multi_worker.py checks
@@ -641,8 +671,9 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     # assign_add / assign_sub of a NumPy value on a split variable (torch
     # refused to mix a tensor and a DTensor before).
     assert logs["updated"] == 0.0
-    reduced, trainable = logs["sdp_reduce"]
+    reduced, trainable, gathers = logs["sdp_reduce"]
     assert reduced == {"grads": trainable, "collectives": 2}, logs["sdp_reduce"]
+    assert gathers == 2, logs["sdp_reduce"]
 
     # Bytes per rank, from each rank's local shards.
     mirrored = logs["mirrored"]
@@ -715,6 +746,18 @@ def test_two_processes_layouts_match_one_device(tmp_path):
         rtol=1e-5,
         atol=1e-6,
     )
+    # Under ShardedDataParallel, each layer's kernels gathered together
+    # (2 layers x 2 passes x 2 steps x 2 epochs), from the same weights.
+    assert logs["mha_sdp"] == [[128, ["batch", "None", "None"]], 16], logs
+    for want, have in zip(
+        _load(tmp_path / "mha_init.npz"),
+        _load(tmp_path / "mha_sdp_init.npz"),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(have, want)
+    got = _load(tmp_path / "mha_sdp_weights.npz")
+    for want, have in zip(reference.get_weights(), got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-7)
 
     # A collective save on the chief alone fails on every rank, naming
     # the fix, and writes nothing.

@@ -60,6 +60,7 @@ from keras_dist._src import plan as plan_lib
 from keras_dist._src.backends.torch import (
     batch_norm,
     channels_last,
+    layer_gather,
     layouts,
     shard_update,
 )
@@ -442,6 +443,12 @@ class _StepFunctions(ModelSteps):
         install_global_dropout(model, _draw_global_mask(self.engine))
         _install_reduced_lookups(model)
         _install_split_inputs(model)
+        engine = self.engine
+        if isinstance(engine.plan, plan_lib.ShardedPlan):
+            # Each layer's split variables in one all-gather a pass.
+            layer_gather.install(
+                model, engine.mesh.axis_names.index(engine.batch_axis)
+            )
         self._install_direct_calls()
         super().install()
 

@@ -1,0 +1,279 @@
+"""A layer's sharded variables gathered in one collective
+(`ShardedDataParallel` on torch, `sharded.DTensorEngine`).
+
+Under `ShardedDataParallel` each large variable is a DTensor split over
+the batch axis, and DTensor's operators gather it where an operator
+reads it: one all-gather per variable in the forward pass, and one again
+in the backward pass (autograd keeps the split DTensor, and each
+backward operator gathers it anew). A small transformer took 15 such
+waits a step (2 gloo processes), where torch's `fully_shard` takes one
+per module and pass.
+
+`install` gives each top-level layer of a model (the layers of nested
+Keras models, recursively) a call that first gathers, in one all-gather
+per dtype over the batch axis, every trainable variable of that layer and
+its sublayers that is split over the batch axis, and computes with the
+whole values (replicated DTensors): FSDP's unit is the module, here the
+layer. Memory stays ZeRO-3's: autograd keeps no whole value for the
+backward pass (`torch.autograd.graph.saved_tensors_hooks`: a saved tensor
+that is a whole value, or a view of one, is kept as a token), and the
+backward pass gathers the layer again, once, at its first use of a whole
+value, as FSDP reshards after the forward pass. The gradients come back
+as DTensor's own operators leave them (a `Partial` sum over the batch
+axis), and the optimizer's update reduces them as before
+(`shard_update`).
+
+The values are those of DTensor's own gather (the same shards, put
+together in the same order), so results do not change. Embeddings keep
+their split lookup (`sharded._install_reduced_lookups`); a layer with no
+split trainable variable keeps its call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import torch
+from keras import tree
+from torch.distributed.tensor import DTensor, Replicate
+
+from keras_dist._src.keras_glue import internals as glue
+
+# torch 2.13 renamed `all_gather_into_tensor` (which now warns).
+_all_gather = getattr(
+    torch.distributed,
+    "all_gather_single",
+    getattr(torch.distributed, "all_gather_into_tensor", None),
+)
+
+
+def install(model, mesh_dim: int) -> None:
+    """Gives each top-level layer of `model` (recursing into nested Keras
+    models) the gathering call (idempotent).
+
+    Args:
+        model: a Keras model whose variables are (or will be) DTensors.
+        mesh_dim: the index of the batch axis in the mesh.
+    """
+    for layer in _units(model):
+        current = layer.__dict__.get("call")
+        inner = getattr(current, "_keras_dist_inner", None)
+        if inner is None:
+            inner = current or type(layer).call.__get__(layer)
+        layer.__dict__["call"] = _gathering_call(layer, inner, mesh_dim)
+
+
+def _units(model):
+    """The layers that gather their variables together: the layers of
+    `model`, those of a nested Keras model in its place; not embeddings
+    (their lookup stays split)."""
+    for layer in getattr(model, "layers", ()):
+        if isinstance(layer, keras.Model):
+            yield from _units(layer)
+        elif not isinstance(layer, keras.layers.Embedding):
+            yield layer
+
+
+def _split_variables(layer, mesh_dim):
+    """The trainable variables of `layer` (sublayers included, not their
+    embeddings) whose value is a DTensor split over mesh axis `mesh_dim`
+    alone, evenly."""
+    lookups = {
+        id(v)
+        for sub in glue.flatten_layers(layer, include_self=True)
+        if isinstance(sub, keras.layers.Embedding)
+        for v in sub.variables
+    }
+    out = []
+    for variable in layer.trainable_variables:
+        if id(variable) in lookups:
+            continue
+        value = glue.variable_value(variable)
+        if not isinstance(value, DTensor):
+            continue
+        placements = value.placements
+        split = placements[mesh_dim]
+        if not split.is_shard() or any(
+            not p.is_replicate()
+            for i, p in enumerate(placements)
+            if i != mesh_dim
+        ):
+            continue
+        size = value.device_mesh.size(mesh_dim)
+        if value.shape[split.dim] % size:
+            continue
+        out.append(variable)
+    return out
+
+
+def _gathering_call(layer, inner, mesh_dim):
+    cache = {}
+
+    def call(*args, **kwargs):
+        if not any(
+            isinstance(x, DTensor) for x in tree.flatten((args, kwargs))
+        ):
+            # Keras's symbolic build (meta tensors): nothing to gather.
+            return inner(*args, **kwargs)
+        variables = cache.get("variables")
+        if variables is None or any(
+            not isinstance(glue.variable_value(v), DTensor) for v in variables
+        ):
+            variables = _split_variables(layer, mesh_dim)
+            cache["variables"] = variables
+        shards = [glue.variable_value(v) for v in variables]
+        if not shards or not all(
+            isinstance(s, DTensor) and s.placements[mesh_dim].is_shard()
+            for s in shards
+        ):
+            return inner(*args, **kwargs)
+        group = _Group(shards, mesh_dim)
+        wholes = _Gather.apply(group, *shards)
+        for variable, whole in zip(variables, wholes):
+            glue.set_variable_value(variable, whole)
+        try:
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(
+                group.pack, group.unpack
+            ):
+                return inner(*args, **kwargs)
+        finally:
+            for variable, shard in zip(variables, shards):
+                glue.set_variable_value(variable, shard)
+
+    call.__doc__ = getattr(inner, "__doc__", None)
+    call._keras_dist_inner = inner
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """A whole value (or a view of one) that autograd saved, as a token:
+    which whole value, and the view's geometry."""
+
+    index: int
+    local_size: tuple
+    local_stride: tuple
+    local_offset: int
+    placements: tuple
+    shape: tuple
+    stride: tuple
+
+
+class _Group:
+    """One call's gather of a layer's split variables: the gathers
+    themselves, and the saved-tensor hooks that regather them once for
+    the backward pass."""
+
+    def __init__(self, shards, mesh_dim):
+        self.shards = shards
+        self.mesh = shards[0].device_mesh
+        self.mesh_dim = mesh_dim
+        self.group = self.mesh.get_group(mesh_dim)
+        self.replicated = (Replicate(),) * self.mesh.ndim
+        self.storages = {}  # storage pointer -> (index, base offset)
+        self.pending = 0
+        self.regathered = None
+
+    def gather(self):
+        """The whole value of every shard (plain tensors): one
+        all-gather per dtype over the batch axis."""
+        world = self.mesh.size(self.mesh_dim)
+        wholes = [None] * len(self.shards)
+        by_dtype = {}
+        for i, shard in enumerate(self.shards):
+            by_dtype.setdefault(shard.dtype, []).append(i)
+        with torch.no_grad():
+            for indices in by_dtype.values():
+                locals_ = [self.shards[i].to_local() for i in indices]
+                flat = torch.cat([t.reshape(-1) for t in locals_])
+                out = flat.new_empty(world * flat.numel())
+                _all_gather(out, flat, group=self.group)
+                rows = out.view(world, -1)
+                offset = 0
+                for i, local in zip(indices, locals_):
+                    n = local.numel()
+                    dim = self.shards[i].placements[self.mesh_dim].dim
+                    pieces = rows[:, offset : offset + n].reshape(
+                        world, *local.shape
+                    )
+                    # Rank r's part is the r-th chunk along `dim`.
+                    whole = pieces.movedim(0, dim).reshape(self.shards[i].shape)
+                    wholes[i] = whole.contiguous()
+                    offset += n
+        return wholes
+
+    def wrap(self, wholes):
+        """Replicated DTensors of `wholes`; remembers their storages."""
+        out = []
+        for i, whole in enumerate(wholes):
+            key = whole.untyped_storage().data_ptr()
+            self.storages[key] = (i, whole.storage_offset())
+            out.append(
+                DTensor.from_local(
+                    whole, self.mesh, self.replicated, run_check=False
+                )
+            )
+        return out
+
+    def pack(self, tensor):
+        """Saved-tensor hook: a whole value, or a view of one, becomes a
+        token; any other tensor is kept."""
+        if not isinstance(tensor, DTensor):
+            return tensor
+        local = tensor._local_tensor
+        found = self.storages.get(local.untyped_storage().data_ptr())
+        if found is None:
+            return tensor
+        index, base = found
+        self.pending += 1
+        return _Saved(
+            index,
+            tuple(local.size()),
+            tuple(local.stride()),
+            local.storage_offset() - base,
+            tuple(tensor.placements),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
+
+    def unpack(self, saved):
+        """Saved-tensor hook: a token's view of the whole value, gathered
+        again (once for the layer's backward pass)."""
+        if not isinstance(saved, _Saved):
+            return saved
+        if self.regathered is None:
+            self.regathered = self.gather()
+        whole = self.regathered[saved.index]
+        local = whole.as_strided(
+            saved.local_size,
+            saved.local_stride,
+            whole.storage_offset() + saved.local_offset,
+        )
+        self.pending -= 1
+        if self.pending <= 0:
+            self.regathered = None
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            saved.placements,
+            run_check=False,
+            shape=torch.Size(saved.shape),
+            stride=saved.stride,
+        )
+
+
+class _Gather(torch.autograd.Function):
+    """Split DTensors in, replicated whole DTensors out; the gradients
+    pass through as they come (a `Partial` sum over the batch axis, which
+    the update reduces with the others)."""
+
+    @staticmethod
+    def forward(ctx, group, *shards):
+        return tuple(group.wrap(group.gather()))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
