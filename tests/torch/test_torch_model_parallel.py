@@ -326,11 +326,11 @@ layouts[".*table/embeddings"] = ("model", None)
 strategy = keras_dist.ModelParallel(layouts, "batch")
 
 
-def lookup_model(strategy, embedding):
+def lookup_model(strategy, embedding, vocabulary=12):
     with strategy.scope():
         keras.utils.set_random_seed(rank)
         ids_in = keras.Input((3,), dtype="int32")
-        h = embedding(12, 4, name="table")(ids_in)
+        h = embedding(vocabulary, 4, name="table")(ids_in)
         # A Dense on the lookup's [batch, ids, 4] output reshapes it.
         h = keras.layers.Dense(3, name="proj")(h)
         h = keras.layers.GlobalAveragePooling1D()(h)
@@ -346,24 +346,31 @@ embedding_data = (rng.integers(0, 12, (40, 3)).astype("int32"),
 fit_and_keep("embedding", model, *embedding_data)
 out["table"] = describe(strategy, model)["model/table/embeddings"]
 # The same model under ShardedDataParallel: the table is split by rows
-# over the batch axis (min_size: this small one too), and the lookup's
-# output is split by batch rows again, so that the layers after it
-# compute on this rank's rows only.
-keras.backend.clear_session()
-model = lookup_model(keras_dist.ShardedDataParallel(min_size=16),
-                     keras.layers.Embedding)
-fit_and_keep("embedding_sdp", model, *embedding_data)
-table, lookups = model.get_layer("table"), []
-lookup = table.__dict__["call"]  # keras_dist's, installed by the fit
-def spy(*args, **kwargs):
-    result = lookup(*args, **kwargs)
-    lookups.append([repr(p) for p in result.placements])
-    return result
-table.__dict__["call"] = spy
-model.fit(*embedding_data, batch_size=8, epochs=1, steps_per_epoch=1,
-          verbose=0)
-out["sdp_lookup"] = [lookups[-1], [repr(p) for p in
-                                   table.embeddings.value.placements]]
+# over the batch axis (min_size: this small one too). A table no larger
+# than the lookup's output (12 rows, 24 ids a batch) is gathered for the
+# lookup; a larger one (40 rows) looks up by rows, and the lookup's output
+# is split by batch rows again. Either way the layers after it compute
+# on this rank's rows only.
+out["sdp_lookup"] = {}
+for vocabulary in (12, 40):
+    keras.backend.clear_session()
+    model = lookup_model(keras_dist.ShardedDataParallel(min_size=16),
+                         keras.layers.Embedding, vocabulary)
+    fit_and_keep(f"embedding_sdp{vocabulary}", model, *embedding_data)
+    table, lookups = model.get_layer("table"), []
+    lookup = table.__dict__["call"]  # keras_dist's, installed by the fit
+    def spy(*args, **kwargs):
+        result = lookup(*args, **kwargs)
+        lookups.append([repr(p) for p in result.placements])
+        return result
+    table.__dict__["call"] = spy
+    layer_gather._all_gather = counter(gather)
+    model.fit(*embedding_data, batch_size=8, epochs=1, steps_per_epoch=1,
+              verbose=0)
+    out["sdp_lookup"][vocabulary] = [
+        lookups[-1], [repr(p) for p in table.embeddings.value.placements],
+        layer_gather._all_gather.calls]
+    layer_gather._all_gather = gather
 # MultiHeadAttention, its heads split over "model" (on CPUs attention runs
 # torch's math kernel: DTensor has no rule for the flash kernel's backward).
 keras.backend.clear_session()
@@ -712,14 +719,25 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     # Under ShardedDataParallel too, with the lookup's output split by
     # batch rows (before: whole on both ranks, the global batch computed
     # twice and each Dense output all-reduced).
-    output, table = logs["sdp_lookup"]
-    assert output == table == ["Shard(dim=0)"], (output, table)
-    _train_reference(
-        reference, keras.optimizers.Adam(0.05),
-        tmp_path / "embedding_sdp_init.npz", data["ids"], data["target"],
-    )  # fmt: skip
-    got = _load(tmp_path / "embedding_sdp_weights.npz")
-    assert max_relative_difference(reference.get_weights(), got) <= 1e-5
+    # The 12-row table gathered for each lookup (one all-gather a step:
+    # the lookup's backward needs only the ids), the 40-row one not.
+    for vocabulary, gathers in ((12, 1), (40, 0)):
+        output, table, calls = logs["sdp_lookup"][str(vocabulary)]
+        assert output == table == ["Shard(dim=0)"], (output, table)
+        assert calls == gathers, logs["sdp_lookup"]
+        keras.backend.clear_session()
+        ids = keras.Input((3,), dtype="int32")
+        h = keras.layers.Embedding(vocabulary, 4, name="table")(ids)
+        h = keras.layers.Dense(3, name="proj")(h)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        reference = keras.Model(ids, keras.layers.Dense(1, name="head")(h))
+        _train_reference(
+            reference, keras.optimizers.Adam(0.05),
+            tmp_path / f"embedding_sdp{vocabulary}_init.npz", data["ids"],
+            data["target"],
+        )  # fmt: skip
+        got = _load(tmp_path / f"embedding_sdp{vocabulary}_weights.npz")
+        assert max_relative_difference(reference.get_weights(), got) <= 1e-5
 
     # MultiHeadAttention with its heads split, then a LayerNormalization
     # and a head split by rows, trains like one device (odd last batch too).

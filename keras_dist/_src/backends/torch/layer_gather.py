@@ -23,9 +23,13 @@ as DTensor's own operators leave them (a `Partial` sum over the batch
 axis), and the optimizer's update reduces them as before
 (`shard_update`).
 
+An `Embedding` gathers its table where the table is no larger than the
+lookup's output (FSDP gathers every table); a larger table keeps its
+lookup split by rows (`sharded._install_reduced_lookups`), which
+all-reduces the output instead. On a small transformer, gathering the
+table took the step from 0.97 to 0.85 of its time before this module.
 The values are those of DTensor's own gather (the same shards, put
-together in the same order), so results do not change. Embeddings keep
-their split lookup (`sharded._install_reduced_lookups`); a layer with no
+together in the same order), so results do not change. A layer with no
 split trainable variable keeps its call.
 """
 
@@ -66,22 +70,34 @@ def install(model, mesh_dim: int) -> None:
 
 def _units(model):
     """The layers that gather their variables together: the layers of
-    `model`, those of a nested Keras model in its place; not embeddings
-    (their lookup stays split)."""
+    `model`, those of a nested Keras model in its place."""
     for layer in getattr(model, "layers", ()):
         if isinstance(layer, keras.Model):
             yield from _units(layer)
-        elif not isinstance(layer, keras.layers.Embedding):
+        else:
             yield layer
 
 
+def _gathers_table(layer, args, kwargs) -> bool:
+    """Whether a call of an `Embedding` gathers its table: where the
+    table has no more elements than the lookup's output (``input_dim`` at
+    most the number of ids), whose split lookup all-reduces that output
+    and gathers its gradient; and a reverse call (the table scoring
+    vectors, as KerasHub's `ReversibleEmbedding` ties a language model's
+    logits), which needs the whole table either way."""
+    if kwargs.get("reverse") or args[1:2] == (True,):
+        return True
+    ids = args[0] if args else kwargs.get("inputs")
+    return isinstance(ids, DTensor) and layer.input_dim <= ids.numel()
+
+
 def _split_variables(layer, mesh_dim):
-    """The trainable variables of `layer` (sublayers included, not their
-    embeddings) whose value is a DTensor split over mesh axis `mesh_dim`
-    alone, evenly."""
+    """The trainable variables of `layer` (sublayers included, not the
+    tables of embeddings inside it) whose value is a DTensor split over
+    mesh axis `mesh_dim` alone, evenly."""
     lookups = {
         id(v)
-        for sub in glue.flatten_layers(layer, include_self=True)
+        for sub in glue.flatten_layers(layer)
         if isinstance(sub, keras.layers.Embedding)
         for v in sub.variables
     }
@@ -116,6 +132,10 @@ def _gathering_call(layer, inner, mesh_dim):
         ):
             # Keras's symbolic build (meta tensors): nothing to gather.
             return inner(*args, **kwargs)
+        if isinstance(layer, keras.layers.Embedding) and not _gathers_table(
+            layer, args, kwargs
+        ):
+            return inner(*args, **kwargs)  # a split lookup is cheaper
         variables = cache.get("variables")
         if variables is None or any(
             not isinstance(glue.variable_value(v), DTensor) for v in variables
