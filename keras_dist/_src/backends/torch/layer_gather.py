@@ -208,7 +208,9 @@ class _Group:
         with torch.no_grad():
             for indices in by_dtype.values():
                 locals_ = [self.shards[i].to_local() for i in indices]
-                flat = torch.cat([t.reshape(-1) for t in locals_])
+                flat = [t.reshape(-1) for t in locals_]
+                # One variable: its own storage, no copy.
+                flat = flat[0] if len(flat) == 1 else torch.cat(flat)
                 out = flat.new_empty(world * flat.numel())
                 _all_gather(out, flat, group=self.group)
                 rows = out.view(world, -1)
@@ -221,7 +223,7 @@ class _Group:
                     )
                     # Rank r's part is the r-th chunk along `dim`.
                     whole = pieces.movedim(0, dim).reshape(self.shards[i].shape)
-                    wholes[i] = whole.contiguous()
+                    wholes[i] = whole.contiguous()  # a view where it can
                     offset += n
         return wholes
 
