@@ -18,12 +18,15 @@ the other axes), or replicated when the batch axis does not divide it, so
 every sample counts once. Keras's own `train_step` then runs unchanged:
 DTensor's operators insert the collectives (all-gathers of sharded
 weights, reductions of gradients and of the loss, metric statistics over
-the global batch). Two exceptions: the broadcast of the chief's initial
-values, and a training BatchNormalization of a batch split over the batch
+the global batch). The exceptions: the broadcast of the chief's initial
+values; a training BatchNormalization of a batch split over the batch
 axis, which runs as one function over that axis's process group with the
 global batch's moments (`batch_norm.sharded_call`: one all-gather forward,
 one all-reduce backward, where DTensor's operators take about six small
-collectives and two reduce-scatters of the activation's gradient).
+collectives and two reduce-scatters of the activation's gradient); under
+`ShardedDataParallel`, each layer's split variables, gathered in one
+all-gather a pass (`layer_gather`); and the gradients' reduction before
+the update (`shard_update`).
 Keras's channels-last convolutions and pooling run without their layout
 copies (`channels_last`), as under `MirroredStrategy`.
 `Dropout` draws each mask for the global batch as one device does
