@@ -56,6 +56,26 @@ def build_tied_model(seed=0):
     return keras.Model(ids, keras.layers.GlobalAveragePooling1D()(scores))
 
 
+class HalfUsed(keras.layers.Layer):
+    """Two 8x8 weights, of which the call uses only the first."""
+
+    def build(self, input_shape):
+        self.used = self.add_weight((8, 8), name="used")
+        self.unused = self.add_weight((8, 8), name="unused")
+
+    def call(self, inputs):
+        return keras.ops.matmul(inputs, self.used)
+
+
+def build_half_used_model(seed=0):
+    """8 features -> `HalfUsed` -> Dense(1): a variable with no
+    gradient."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    h = HalfUsed(name="half")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+
+
 def compiled_model(strategy=None, build=None, **build_kwargs):
     """Builds (with `build`, default `build_model`) and compiles a model,
     inside `strategy.scope()` when a strategy is given, else in plain

@@ -35,6 +35,7 @@ if keras.backend.backend() != "torch":
 import keras_dist  # noqa: E402
 from tests.utils import (  # noqa: E402
     ROOT,
+    build_half_used_model,
     build_model,
     build_tied_model,
     compile_model,
@@ -433,6 +434,15 @@ weights = model.get_weights()
 if rank == 0:
     np.savez("mha_sdp_init.npz", *init)
     np.savez("mha_sdp_weights.npz", *weights)
+# A split variable that the layer's call does not use gets no gradient,
+# as on one device (a zero gradient would still move it: momentum, decay).
+from tests.utils import build_half_used_model
+keras.backend.clear_session()
+with keras_dist.ShardedDataParallel(min_size=16).scope():
+    model = build_half_used_model(seed=rank)
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(
+        0.1, momentum=0.9, weight_decay=0.1))
+fit_and_keep("half_used", model, seqs[:, 0], targets[:, :1])
 with open(f"logs{rank}.json", "w") as f:
     json.dump(out, f)
 # A strategy refused for its arguments (tests/test_multi_worker.py checks
@@ -776,6 +786,21 @@ def test_two_processes_layouts_match_one_device(tmp_path):
     got = _load(tmp_path / "mha_sdp_weights.npz")
     for want, have in zip(reference.get_weights(), got, strict=True):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-7)
+    # A variable the call leaves unused keeps its initial value there.
+    data = np.load(tmp_path / "half_used.npz")
+    keras.backend.clear_session()
+    reference = build_half_used_model()
+    _train_reference(
+        reference, keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.1),
+        tmp_path / "half_used_init.npz", data["ids"], data["target"],
+    )  # fmt: skip
+    got = _load(tmp_path / "half_used_weights.npz")
+    assert max_relative_difference(reference.get_weights(), got) <= 1e-5
+    unused = reference.get_layer("half").unused
+    np.testing.assert_array_equal(
+        got[1], _load(tmp_path / "half_used_init.npz")[1]
+    )
+    assert got[1].shape == tuple(unused.shape)
 
     # A collective save on the chief alone fails on every rank, naming
     # the fix, and writes nothing.
