@@ -101,29 +101,33 @@ def _split_variables(layer, mesh_dim):
         if isinstance(sub, keras.layers.Embedding)
         for v in sub.variables
     }
-    out = []
-    for variable in layer.trainable_variables:
-        if id(variable) in lookups:
-            continue
-        value = glue.variable_value(variable)
-        if not isinstance(value, DTensor):
-            continue
-        placements = value.placements
-        split = placements[mesh_dim]
-        if not split.is_shard() or any(
-            not p.is_replicate()
-            for i, p in enumerate(placements)
-            if i != mesh_dim
-        ):
-            continue
-        size = value.device_mesh.size(mesh_dim)
-        if value.shape[split.dim] % size:
-            continue
-        out.append(variable)
-    return out
+    return [
+        v
+        for v in layer.trainable_variables
+        if id(v) not in lookups and _split(glue.variable_value(v), mesh_dim)
+    ]
+
+
+def _split(value, mesh_dim) -> bool:
+    """Whether `value` is a DTensor split over mesh axis `mesh_dim` alone,
+    evenly."""
+    if not isinstance(value, DTensor):
+        return False
+    placements = value.placements
+    split = placements[mesh_dim]
+    return (
+        split.is_shard()
+        and all(
+            p.is_replicate() for i, p in enumerate(placements) if i != mesh_dim
+        )
+        and value.shape[split.dim] % value.device_mesh.size(mesh_dim) == 0
+    )
 
 
 def _gathering_call(layer, inner, mesh_dim):
+    """`inner` (the layer's call) run with the layer's split variables
+    gathered; the list of those variables is kept until one of them is no
+    longer split."""
     cache = {}
 
     def call(*args, **kwargs):
@@ -137,16 +141,12 @@ def _gathering_call(layer, inner, mesh_dim):
         ):
             return inner(*args, **kwargs)  # a split lookup is cheaper
         variables = cache.get("variables")
-        if variables is None or any(
-            not isinstance(glue.variable_value(v), DTensor) for v in variables
-        ):
+        shards = [glue.variable_value(v) for v in variables or ()]
+        if variables is None or not all(_split(s, mesh_dim) for s in shards):
             variables = _split_variables(layer, mesh_dim)
             cache["variables"] = variables
-        shards = [glue.variable_value(v) for v in variables]
-        if not shards or not all(
-            isinstance(s, DTensor) and s.placements[mesh_dim].is_shard()
-            for s in shards
-        ):
+            shards = [glue.variable_value(v) for v in variables]
+        if not shards:
             return inner(*args, **kwargs)
         group = _Group(shards, mesh_dim)
         wholes = _Gather.apply(group, *shards)
