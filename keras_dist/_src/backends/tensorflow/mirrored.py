@@ -74,6 +74,12 @@ def _new_mirrored_strategy(tf_devices):
       collides with the first ("joining a group with size 4, but that group
       has size 2"); tf.distribute reads the key base from the class.
     * It splits each global batch itself (`inputs.distribute_global_batches`).
+    * On CPU devices it sums on one device (`ReductionToOneDevice`: copies to
+      the first device, one `add_n` a tensor, copies back) instead of
+      tf.distribute's default there, the RING collective: the devices share
+      the host's memory, and the ring's rounds of executor hand-offs cost
+      more than the sums (performance.md, "Sixteenth session"). GPUs keep
+      tf.distribute's choice (NCCL).
     """
     global _strategies_created
     _strategies_created += 1
@@ -86,4 +92,9 @@ def _new_mirrored_strategy(tf_devices):
             "experimental_distribute_dataset": distribute_global_batches,
         },
     )
-    return cls(devices=tf_devices)
+    cross_device_ops = None
+    if all(
+        tf.DeviceSpec.from_string(d).device_type == "CPU" for d in tf_devices
+    ):
+        cross_device_ops = tf.distribute.ReductionToOneDevice()
+    return cls(devices=tf_devices, cross_device_ops=cross_device_ops)
