@@ -571,3 +571,14 @@ def test_on_batch_calls_split_the_batch(replicas):
             plain.test_on_batch(x[:rows], y[:rows]),
             rtol=1e-5,
         )
+
+
+def test_cpu_replicas_sum_on_one_device():
+    # On CPU devices the gradients are summed on one device, faster there
+    # than tf.distribute's default RING collective (performance.md,
+    # "Sixteenth session"); the parity tests above run on it.
+    import tensorflow as tf
+
+    engine = _strategy(2).extended
+    cross_device_ops = engine.tf_strategy.extended._cross_device_ops
+    assert isinstance(cross_device_ops, tf.distribute.ReductionToOneDevice)
