@@ -69,7 +69,8 @@ _strategies_created = 0
 def _new_mirrored_strategy(tf_devices):
     """A MirroredStrategy of keras_dist's, built once per engine.
 
-    * Its collective group keys are its own: every MirroredStrategy starts
+    * Its collective group keys are its own (they matter on GPUs, where it
+      runs tf.distribute's collectives): every MirroredStrategy starts
       them at 1, so a second strategy over other devices in the same process
       collides with the first ("joining a group with size 4, but that group
       has size 2"); tf.distribute reads the key base from the class.
