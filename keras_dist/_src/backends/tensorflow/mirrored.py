@@ -78,8 +78,8 @@ def _new_mirrored_strategy(tf_devices):
     * On CPU devices it sums on one device (`ReductionToOneDevice`: copies to
       the first device, one `add_n` a tensor, copies back) instead of
       tf.distribute's default there, the RING collective: the devices share
-      the host's memory, and the ring's rounds of executor hand-offs cost
-      more than the sums (performance.md, "Sixteenth session"). GPUs keep
+      the host's memory, and summing on one device measured 0.84-0.91 of the
+      ring's step time (performance.md, "Sixteenth session"). GPUs keep
       tf.distribute's choice (NCCL).
     """
     global _strategies_created
