@@ -129,7 +129,10 @@ def test_torch_local_moments_match_autograd_of_the_formula(shape, axes, offset):
     input gradients of `gathered_moments` under autograd, through Keras's
     normalisation."""
     import torch
-    from keras.src.backend.torch import nn as torch_nn
+
+    from keras_dist._src.keras_glue.internals import torch_ops_module
+
+    torch_nn = torch_ops_module("nn")
 
     from keras_dist._src.backends.torch.batch_norm import (
         _LocalMoments,
@@ -172,7 +175,10 @@ def test_torch_fused_normalization_matches_keras_under_autograd(shape, offset):
     autograd; and the layer's replaced call takes it in training, keeps the
     moving statistics Keras's call keeps and leaves inference to Keras."""
     import torch
-    from keras.src.backend.torch import nn as torch_nn
+
+    from keras_dist._src.keras_glue.internals import torch_ops_module
+
+    torch_nn = torch_ops_module("nn")
 
     from keras_dist._src.backends.torch.batch_norm import (
         _SyncNormalization,

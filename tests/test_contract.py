@@ -290,3 +290,71 @@ def test_keras_glue_imports_no_backend():
                     ("keras.src.backend.jax", "keras.src.backend.tensorflow")
                     + ("keras.src.backend.torch", "tensorflow", "torch", "jax")
                 ), f"keras_glue/{path.name} imports {module} at import time"
+
+
+def _keras_imports_in_glue():
+    """``(module, name)`` of every ``from keras.src... import name`` in
+    keras_glue, at any depth (function-level imports included)."""
+    found = set()
+    for path in GLUE_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("keras.src")
+            ):
+                found.update((node.module, a.name) for a in node.names)
+    return sorted(found)
+
+
+def test_private_keras_names_resolve_in_the_installed_keras():
+    """What keras_glue reaches exists in the Keras installed here: every
+    module and name it imports (another backend's modules aside), the
+    moved-between-releases names it finds by feature, and the private
+    methods it calls or replaces. A Keras release that moves or renames
+    one fails here, not in a user's `fit`."""
+    import importlib
+
+    import keras
+
+    from keras_dist._src.keras_glue import internals as glue
+
+    backend = keras.backend.backend()
+    others = [b for b in BACKENDS if b != backend]
+    missing = []
+    for module, name in _keras_imports_in_glue():
+        if any(module.startswith(f"keras.src.backend.{b}") for b in others):
+            continue
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{module}.{name}")
+        except ImportError:
+            missing.append(module)
+    base = glue.base_trainer_class()
+    trainer = glue.backend_trainer_class(backend)
+    assert issubclass(trainer, base)
+    owners = {
+        base: (
+            "compile",
+            "compute_loss",
+            "get_metrics_result",
+            "reset_metrics",
+            "_compute_loss",
+            "_symbolic_build",
+        ),
+        trainer: ("_make_function",) if backend != "torch" else (),
+        keras.layers.BatchNormalization: ("_moments", "call"),
+        keras.layers.Layer: ("_flatten_layers",),
+    }
+    if backend == "torch":
+        core = glue.torch_core()
+        owners[core.Variable] = ("_initialize", "_direct_assign", "__array__")
+        assert callable(core.get_device)
+        assert callable(glue.torch_ops_module("nn").batch_normalization)
+    if backend == "tensorflow":
+        owners[trainer] += ("_autoconvert_optionals",)
+    for owner, names in owners.items():
+        missing += [
+            f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)
+        ]
+    assert not missing, f"Keras {keras.__version__} lacks {missing}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 
 #: Keras minor releases keras_dist is tested with (CI runs the newest).
-SUPPORTED_KERAS = ("3.15",)
+SUPPORTED_KERAS = ("3.15", "3.16")
 
 
 def check_keras_version(version: str | None = None) -> bool:
@@ -29,10 +29,11 @@ def check_keras_version(version: str | None = None) -> bool:
         return True
     warnings.warn(
         f"keras_dist {_own_version()} is tested with Keras "
-        f"{', '.join(SUPPORTED_KERAS)}.x; Keras {version} is installed. "
-        "It replaces Keras's step functions, which change between Keras "
-        "releases: install a tested Keras (pip install 'keras==3.15.*') or "
-        "check results against one device.",
+        f"{', '.join(v + '.x' for v in SUPPORTED_KERAS)}; Keras {version} is "
+        "installed. keras_dist replaces Keras's step functions, which change "
+        "between Keras releases: install a tested Keras (pip install "
+        f"'keras=={SUPPORTED_KERAS[0]}.*') or check results against one "
+        "device.",
         stacklevel=3,
     )
     return False

@@ -55,8 +55,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from keras.src.trainers.trainer import Trainer
+    from keras_dist._src.keras_glue.internals import base_trainer_class
 
+    Trainer = base_trainer_class()
     original = Trainer.compile
 
     @functools.wraps(original)

@@ -23,7 +23,71 @@ from keras.src.trainers.data_adapters import (
     array_data_adapter as _array_data_adapter,
 )
 from keras.src.trainers.data_adapters import data_adapter as _data_adapter
-from keras.src.trainers.trainer import Trainer as _Trainer
+
+
+# -- names that moved between Keras releases, found by what exists ------------
+def _import_first(*names: str):
+    """The first of the modules `names` that imports (Keras moves private
+    modules between releases: 3.16 put each backend's `core` under
+    `ops/`)."""
+    import importlib
+
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ImportError(
+        f"None of the Keras modules {', '.join(names)} exists in Keras "
+        f"{keras.__version__}: keras_dist does not support this release."
+    )
+
+
+def base_trainer_class():
+    """Keras's private backend-neutral trainer base class
+    (`keras.src.trainers.trainer`: `BaseTrainer` since Keras 3.16,
+    `Trainer` before), whose `compile` and `compute_loss` every model
+    inherits."""
+    from keras.src.trainers import trainer
+
+    found = getattr(trainer, "BaseTrainer", None)
+    return found if found is not None else trainer.Trainer
+
+
+def backend_trainer_class(backend: str):
+    """Keras's private trainer class of `backend`
+    (`keras.src.backend.<backend>.trainer`: named `Trainer` since Keras
+    3.16, `TensorFlowTrainer`/`JAXTrainer`/`TorchTrainer` before), found as
+    the module's own subclass of the base trainer. Imports that backend."""
+    import inspect
+
+    module = _import_first(f"keras.src.backend.{backend}.trainer")
+    base = base_trainer_class()
+    for _, cls in inspect.getmembers(module, inspect.isclass):
+        if (
+            cls.__module__ == module.__name__
+            and issubclass(cls, base)
+            and cls is not base
+        ):
+            return cls
+    raise ImportError(
+        f"No trainer class in {module.__name__} (Keras {keras.__version__})."
+    )
+
+
+def torch_ops_module(name: str):
+    """One of Keras's private torch backend modules of operations (`core`,
+    `nn`, `numpy`, ...): `keras.src.backend.torch.ops.<name>` since Keras
+    3.16, `keras.src.backend.torch.<name>` before. Imports torch."""
+    return _import_first(
+        f"keras.src.backend.torch.ops.{name}", f"keras.src.backend.torch.{name}"
+    )
+
+
+def torch_core():
+    """Keras's private torch `core` module (`Variable`, `get_device`)."""
+    return torch_ops_module("core")
+
 
 #: Keras's base class of data adapters (`keras.src.trainers.data_adapters`):
 #: torch's lockstep adapter subclasses it, and input already wrapped in one
@@ -140,7 +204,7 @@ def call_has_training_arg(model) -> bool:
 def uses_keras_compute_loss(model) -> bool:
     """Whether `model` keeps the `compute_loss` of Keras's private base
     `Trainer` (`keras.src.trainers.trainer`), i.e. does not override it."""
-    return type(model).compute_loss is _Trainer.compute_loss
+    return type(model).compute_loss is base_trainer_class().compute_loss
 
 
 def set_initial_epoch(model, epoch) -> None:
@@ -161,9 +225,7 @@ def tensorflow_trainer():
     """Keras's private `TensorFlowTrainer` (`keras.src.backend.tensorflow`),
     imported here (it imports TensorFlow): its steps tell whether a model
     overrides them, and its `make_predict_function` is the TF predict."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer
+    return backend_trainer_class("tensorflow")
 
 
 def tensorflow_predict_helpers():
@@ -173,24 +235,82 @@ def tensorflow_predict_helpers():
     the data read as None), for a predict function built like Keras's."""
     from keras.src.backend.tensorflow import trainer
 
-    return trainer.concat, trainer.TensorFlowTrainer._autoconvert_optionals
+    return (
+        trainer.concat,
+        backend_trainer_class("tensorflow")._autoconvert_optionals,
+    )
 
 
 def torch_trainer():
     """Keras's private `TorchTrainer` (`keras.src.backend.torch`), imported
     here (it imports torch): its steps tell whether a model overrides
     them."""
-    from keras.src.backend.torch.trainer import TorchTrainer
-
-    return TorchTrainer
+    return backend_trainer_class("torch")
 
 
 def torch_device_name() -> str:
     """The device Keras's torch backend creates tensors on now (its default,
     or the innermost ``keras.device`` scope's)."""
-    from keras.src.backend.torch.core import get_device
+    return str(torch_core().get_device())
 
-    return str(get_device())
+
+def _keras_torch_trainer_reduces() -> bool:
+    """Whether Keras's torch trainer does data parallelism itself when
+    `torch.distributed` is initialized (Keras 3.16 and later: the private
+    `_initialize_ddp`, and a `get_metrics_result` that all-reduces)."""
+    return hasattr(backend_trainer_class("torch"), "_initialize_ddp")
+
+
+def torch_local_metrics_result(model):
+    """The model's metric results from this process's metric variables
+    alone: its class's `get_metrics_result`, except that of Keras's torch
+    trainer (Keras 3.16 and later), which all-reduces every metric
+    variable over the default process group; keras_dist sums the metrics
+    of its models itself, so that one would count every sample twice."""
+    method = type(model).get_metrics_result
+    if _keras_torch_trainer_reduces():
+        trainer = backend_trainer_class("torch")
+        own = trainer.__dict__.get("get_metrics_result")
+        if getattr(method, "__keras_dist_original__", None) is own or (
+            method is own
+        ):
+            method = base_trainer_class().get_metrics_result
+    return method(model)
+
+
+def keep_keras_torch_trainer_local(owned) -> None:
+    """Keras 3.16's torch trainer wraps every model in
+    `DistributedDataParallel` and all-reduces its metrics whenever
+    `torch.distributed` is initialized (its private `_initialize_ddp` and
+    `get_metrics_result`). While ``owned()`` holds (keras_dist started the
+    process group), a model keras_dist does not train (a reference model
+    evaluated on the chief alone) stays a one-process model, as under
+    Keras 3.15: no collective that the other processes never join; the
+    models in a strategy's scope have keras_dist's own steps. Once per
+    process; nothing on a Keras without those methods."""
+    if not _keras_torch_trainer_reduces():
+        return
+    trainer = backend_trainer_class("torch")
+    base = base_trainer_class()
+
+    def make_initialize(original):
+        def _initialize_ddp(self):
+            if not owned():
+                original(self)
+
+        return _initialize_ddp
+
+    def make_metrics(original):
+        def get_metrics_result(self):
+            if owned():
+                return base.get_metrics_result(self)
+            return original(self)
+
+        get_metrics_result.__doc__ = original.__doc__
+        return get_metrics_result
+
+    replace_method_once(trainer, "_initialize_ddp", make_initialize)
+    replace_method_once(trainer, "get_metrics_result", make_metrics)
 
 
 # -- model.losses -------------------------------------------------------------
@@ -245,16 +365,17 @@ def set_loss_reduction(function) -> None:
 
 def keras_mask(x):
     """The mask Keras attached to tensor `x` (its private `_keras_mask`,
-    read with `keras.src.backend.get_keras_mask`), or None."""
-    from keras.src.backend import get_keras_mask
+    read with `keras.src.backend.common.masking.get_keras_mask`), or
+    None."""
+    from keras.src.backend.common.masking import get_keras_mask
 
     return get_keras_mask(x)
 
 
 def set_keras_mask(x, mask) -> None:
     """Attaches `mask` to tensor `x` as Keras does (its private
-    `_keras_mask`, set with `keras.src.backend.set_keras_mask`)."""
-    from keras.src.backend import set_keras_mask as set_mask
+    `_keras_mask`, set with `keras.src.backend.common.masking`)."""
+    from keras.src.backend.common.masking import set_keras_mask as set_mask
 
     set_mask(x, mask)
 
@@ -493,6 +614,42 @@ def epoch_iterator_inputs(iterator) -> list:
                 found.append(source)
         adapter = getattr(adapter, "inner", None)
     return found
+
+
+def keras_stacks_jax_steps() -> bool:
+    """Whether Keras's JAX epoch iterator asks its data adapter for groups
+    of `steps_per_execution` batches stacked on a new leading axis (the
+    ``super_batch`` argument of the private `DataAdapter.get_jax_iterator`,
+    Keras 3.16 and later), rather than for one batch at a time."""
+    import inspect
+
+    return (
+        "super_batch"
+        in inspect.signature(DataAdapter.get_jax_iterator).parameters
+    )
+
+
+def is_partial_step_group(item) -> bool:
+    """Whether `item`, read from Keras's JAX epoch iterator, is a list of
+    the batches left over at an epoch's end (Keras's private
+    `data_adapter_utils.PartialBatchList`), which Keras does not stack."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    partial = getattr(data_adapter_utils, "PartialBatchList", None)
+    return partial is not None and isinstance(item, partial)
+
+
+def stack_steps(iterator, steps: int):
+    """Groups `iterator`'s batches as Keras's JAX epoch iterator expects
+    them when `keras_stacks_jax_steps()`: `steps` batches stacked on a new
+    leading axis, the remainder as a partial group (Keras's private
+    `data_adapter_utils.super_batch_iterator`)."""
+    import numpy as np
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.super_batch_iterator(
+        iterator, steps, stack_fn=np.stack
+    )
 
 
 def get_data_adapter(**kwargs):

@@ -20,7 +20,10 @@ imported inside the functions.
 
 from __future__ import annotations
 
-from keras_dist._src.keras_glue.internals import replace_method_once
+from keras_dist._src.keras_glue.internals import (
+    replace_method_once,
+    torch_core,
+)
 
 
 def replace_torch_variable_methods(make_assign, make_array, make_update):
@@ -29,7 +32,7 @@ def replace_torch_variable_methods(make_assign, make_array, make_update):
     ``make_array(original)``, and its `assign_add` and `assign_sub` with
     ``make_update(original)``, once per process (each replacement should
     fall back to `original` for a plain tensor)."""
-    from keras.src.backend.torch.core import Variable
+    Variable = torch_core().Variable
 
     replace_method_once(Variable, "_direct_assign", make_assign)
     replace_method_once(Variable, "__array__", make_array)
@@ -41,7 +44,7 @@ def replace_torch_variable_initialize(make):
     """Replaces the private `_initialize` of Keras's torch `Variable` class
     (where every new variable takes its first value, from an initializer
     or a given value) with ``make(original)``, once per process."""
-    from keras.src.backend.torch.core import Variable
+    Variable = torch_core().Variable
 
     replace_method_once(Variable, "_initialize", make)
 
