@@ -664,8 +664,10 @@ for policy in ("off", "file"):
                                   keras.layers.Dense(1)])
         init = np.load(init_path)
         model.set_weights([init[k] for k in init.files])
+        # Groups of 3 steps (Keras 3.16 stacks them on JAX), the last
+        # group partial; the reference runs one step a call.
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse",
-                      metrics=["mae"])
+                      metrics=["mae"], steps_per_execution=3)
     if policy == "off":
         local = np.load(os.path.join(data_dir, "..", f"off{rank}.npz"))
         kw = dict(x=local["x"], y=local["y"], batch_size=16)
@@ -721,7 +723,8 @@ def _policy_shares(tmp_path, data_dir):
 def test_file_and_off_policies_between_workers(tmp_path):
     """Workers with shares of different sizes train as one device does on
     the global batches the shares make, step by step (JAX and TF gather
-    every worker's local batch; torch's own test is in tests/torch)."""
+    every worker's local batch; torch's own test is in tests/torch), with
+    `steps_per_execution=3` and a partial group at each epoch's end."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     shares = _policy_shares(tmp_path, data_dir)

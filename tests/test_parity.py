@@ -185,3 +185,71 @@ def test_batch_norm_statistics_global_by_default_per_replica_on_request():
     expected = np.mean([s.var(axis=(0, 1, 2)) for s in shards], axis=0)
     np.testing.assert_allclose(local, expected, rtol=1e-4)
     assert not np.allclose(local, single, rtol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX's engine places each batch"
+)
+def test_steps_per_execution_splits_every_batch_over_the_replicas():
+    """With `steps_per_execution=4`, each step's batch is split over the 4
+    replicas and the partial group at an epoch's end is exact. (Keras 3.16
+    reads a group of batches stacked on a new leading axis: splitting that
+    axis ran each step whole on one device, equal to one device yet not
+    data parallel, and a partial group crashed.)"""
+    from keras import tree
+
+    x, y, sw = make_data()  # 6 steps an epoch: a group of 4, then 2
+
+    def run(strategy):
+        def build():
+            model = build_model(seed=3)
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                loss="sparse_categorical_crossentropy",
+                metrics=["accuracy"],
+                steps_per_execution=4,
+            )
+            return model
+
+        if strategy is None:
+            model = build()
+        else:
+            with strategy.scope():
+                model = build()
+        history = model.fit(
+            x,
+            y,
+            sample_weight=sw,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            shuffle=False,
+        )
+        predictions = model.predict(x, batch_size=EVAL_BATCH, verbose=0)
+        return model.get_weights(), history.history, predictions
+
+    strategy = keras_dist.MirroredStrategy()
+    engine = strategy.extended
+    placed = []
+    original = engine.place_batch
+
+    def place_batch(batch):
+        result = original(batch)
+        placed.append(tree.flatten(result)[0])
+        return result
+
+    engine.place_batch = place_batch
+    got = run(strategy)
+    ref = run(None)
+    train_inputs = [a for a in placed if a.ndim == 4][:12]
+    assert [a.shape[0] for a in train_inputs] == [16] * 5 + [10] + [16] * 5 + [
+        10
+    ]
+    for a in train_inputs:
+        if a.shape[0] == 16:  # 10 does not divide by 4: replicated
+            assert not a.sharding.is_fully_replicated
+            assert len(a.sharding.device_set) == 4
+    assert max_relative_difference(ref[0], got[0]) <= TOLERANCE
+    np.testing.assert_allclose(got[1]["loss"], ref[1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-6)

@@ -174,8 +174,11 @@ class GatheredAdapter(LockstepAdapter):
         """Yields the global batches (NumPy), the same on every process."""
         return self._global_batches()
 
-    def get_jax_iterator(self):
-        """Yields the global batches (NumPy; the engine places them)."""
+    def get_jax_iterator(self, super_batch=None):
+        """Yields the global batches (NumPy; the engine places them),
+        grouped by `super_batch` as Keras asks (Keras 3.16 and later)."""
+        if super_batch:
+            return glue.stack_steps(self._global_batches(), super_batch)
         return self._global_batches()
 
     def get_tf_dataset(self):

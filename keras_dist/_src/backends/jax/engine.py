@@ -337,7 +337,7 @@ class _StepFunctions:
         engine = self.engine
         # With steps_per_execution > 1, predict's outputs of the steps of one
         # call must be concatenated (Keras's own predict function does so).
-        iterator_step = glue.make_function(
+        iterator_step = _iterator_step(
             self.model, step, concatenate_outputs=concatenate_outputs
         )
         last_state = [None]
@@ -371,7 +371,7 @@ class _StepFunctions:
         if iterator is not self._iterator:  # a new epoch or a new input
             self._iterator = iterator
             self._first_batch = None
-        for batch in iterator:
+        for batch in _one_batch_at_a_time(self.model, iterator):
             if self._first_batch is None:
                 self._first_batch = batch
                 self._batch_index = 1
@@ -490,6 +490,68 @@ class _StepFunctions:
             step, state, concatenate_outputs=True
         )
         return model.predict_function
+
+
+def _one_batch_at_a_time(model, iterator):
+    """The batches of Keras's JAX epoch iterator one by one.
+
+    With `steps_per_execution` > 1, Keras 3.16 and later read groups of
+    that many batches stacked on a new leading axis (a partial group at
+    an epoch's end as a list): each step here splits its own batch over
+    the replicas, so a group is taken apart first (else its step axis
+    would be split as if it were the batch)."""
+    # `for`, not `yield from`: the caller makes a generator of this one
+    # per call and drops it after a few batches, and `yield from` would
+    # close Keras's iterator with it.
+    if model.steps_per_execution <= 1 or not glue.keras_stacks_jax_steps():
+        for batch in iterator:  # noqa: UP028 - see above
+            yield batch
+        return
+    for group in iterator:
+        if glue.is_partial_step_group(group):
+            yield from group
+            continue
+        leaves = [x for x in tree.flatten(group) if x is not None]
+        for i in range(np.shape(leaves[0])[0] if leaves else 0):
+            yield tree.map_structure(
+                lambda x, i=i: None if x is None else x[i],
+                group,
+                none_is_leaf=True,
+            )
+
+
+def _iterator_step(model, step, concatenate_outputs=False):
+    """`step(state, batch)` as a function of `(state, iterator)` that runs
+    up to `model.steps_per_execution` batches, as Keras 3.15's JAX
+    trainer does: one batch a step, the outputs of the steps concatenated
+    when `concatenate_outputs` (predict), else the last step's."""
+    steps = model.steps_per_execution
+    if steps <= 1:
+        return lambda state, iterator: step(state, next(iterator))
+
+    def concatenate(outputs):
+        return tree.map_structure(
+            lambda *parts: jax.numpy.concatenate(parts), *outputs
+        )
+
+    if not model.run_eagerly and model.jit_compile:
+        concatenate = jax.jit(concatenate)
+
+    def iterator_step(state, iterator):
+        outputs, state = step(state, next(iterator))
+        collected = [outputs]
+        for _ in range(steps - 1):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                break
+            outputs, state = step(state, data)
+            collected.append(outputs)
+        if concatenate_outputs:
+            return concatenate(collected), state
+        return outputs, state
+
+    return iterator_step
 
 
 def steps_in_flight(devices) -> int | None:
