@@ -275,10 +275,14 @@ class StepFunctions(ModelSteps, UserSteps):
                 self.ddp.register_comm_hook(None, _sum_gradients)
             step = self.train_step
 
-        def one_step_on_data(data):
-            return step(data[0])
+        def train_function(data):
+            # One batch, or up to `steps_per_execution`: the last logs.
+            logs = {}
+            for batch in data:
+                logs = step(batch)
+            return logs
 
-        return one_step_on_data
+        return train_function
 
     def train_step(self, data):
         """One exact step of this rank on its shard of the global batch."""
@@ -426,7 +430,7 @@ class MirroredEngine(TorchEngine):
 
     def begin_call(self) -> None:
         """No local batch is pending at the start of a call."""
-        self.local_batches.pending = None
+        self.local_batches.clear()
 
     def prepare_call(self, name, method, args, kwargs):
         """Decides the metric deferral and applies the shard policy."""

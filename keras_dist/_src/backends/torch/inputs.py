@@ -30,6 +30,8 @@ weights the local mean loss with ``n_local * world / n_global``.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -42,19 +44,28 @@ from keras_dist._src.core.lockstep import LockstepAdapter
 
 # -- agreement on the step count ----------------------------------------------
 class LocalBatchTracker:
-    """Tells the step that the batch it gets is local, and `n_global`."""
+    """Tells each step whether its batch is local, and its `n_global`.
+
+    The input offers one count per batch it yields, in order; each step
+    takes the oldest. With `steps_per_execution` > 1, Keras reads a group
+    of batches before it runs their steps, so the counts queue up.
+    """
 
     def __init__(self):
-        self.pending = None
+        self._counts = collections.deque()
+
+    def clear(self) -> None:
+        """Forgets counts no step took (a new call or a new epoch)."""
+        self._counts.clear()
 
     def offer(self, n_global: int) -> None:
         """Marks the next batch as local, with `n_global` samples in all."""
-        self.pending = int(n_global)
+        self._counts.append(int(n_global))
 
     def take(self):
-        """Returns `n_global` of the current local batch, or None (DATA)."""
-        pending, self.pending = self.pending, None
-        return pending
+        """Returns `n_global` of the oldest local batch not yet stepped on,
+        or None (a global batch: the DATA policy)."""
+        return self._counts.popleft() if self._counts else None
 
 
 def _empty_like(batch):
@@ -113,7 +124,7 @@ class AgreedAdapter(LockstepAdapter):
         """Yields this rank's batches (or empty ones) in lockstep."""
         engine = self.engine
         tracker = engine.local_batches
-        tracker.pending = None
+        tracker.clear()
         iterator = iter(self.inner.get_torch_dataloader())
         exhausted = False
         first = True
@@ -144,7 +155,6 @@ class AgreedAdapter(LockstepAdapter):
                         f"The input of {self.what} yielded no batch on any "
                         "rank (an empty data set). Pass at least one sample."
                     )
-                tracker.pending = None
                 return
             first = False
             if lacking:
@@ -175,7 +185,7 @@ class AgreedAdapter(LockstepAdapter):
     def get_tf_dataset(self):
         raise NotImplementedError("AgreedAdapter is for the torch backend.")
 
-    def get_jax_iterator(self):
+    def get_jax_iterator(self, super_batch=None):
         raise NotImplementedError("AgreedAdapter is for the torch backend.")
 
 

@@ -159,7 +159,7 @@ class MetricSync:
                 self.sync_in_user_step()
             elif not self._in_step:
                 self.sync()
-            return cls.get_metrics_result(model)
+            return glue.torch_local_metrics_result(model)
 
         def reset_metrics():
             self._unsynced_since = None
@@ -177,7 +177,7 @@ class MetricSync:
 
     def local_result(self):
         """This rank's metric results as they are (no all-reduce)."""
-        return type(self.model).get_metrics_result(self.model)
+        return glue.torch_local_metrics_result(self.model)
 
     def before_step(self):
         """Snapshot of the metric variables before a step, unless the one

@@ -31,6 +31,7 @@ from keras_dist._src.cluster.environments import (
 )
 from keras_dist._src.devices import check_devices_exist
 from keras_dist._src.errors import KerasDistError
+from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
 
@@ -287,9 +288,17 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
     _install_excepthook(_job)
     supervision.track_exit_requests()
     _init_process_group("nccl" if gpu else "gloo", environment, listener)
+    # Keras (3.16+) would wrap every model in DDP now that a process group
+    # exists: the models keras_dist does not train stay this process's.
+    glue.keep_keras_torch_trainer_local(_owns_process_group)
     _job.start_watchdog()
     atexit.register(_shutdown)
     return _job
+
+
+def _owns_process_group() -> bool:
+    """Whether the default process group is the one keras_dist started."""
+    return _job is not None and dist.is_initialized()
 
 
 def gpu_index(

@@ -66,22 +66,20 @@ class ModelSteps:
                     "this.",
                     stacklevel=2,
                 )
-        if self.model.steps_per_execution > 1:
-            raise ValueError(
-                "`steps_per_execution` must be 1 with the PyTorch backend; "
-                f"got {self.model.steps_per_execution}. Compile with "
-                "steps_per_execution=1."
-            )
 
     def train_function(self):
         """The function `model.train_function` is set to; by default the
-        policy's `train_step` on each batch."""
+        policy's `train_step` on each batch Keras passes (one, or up to
+        `steps_per_execution`), returning the last step's logs."""
         step = self.train_step
 
-        def one_step_on_data(data):
-            return step(data[0])
+        def train_function(data):
+            logs = {}
+            for batch in data:
+                logs = step(batch)
+            return logs
 
-        return one_step_on_data
+        return train_function
 
     def make_train_function(self, force=False):
         """Builds the policy's train function."""
@@ -112,13 +110,24 @@ class ModelSteps:
             return getattr(model, attribute)
         self._check_compile_options()
         self.prepare()
+        concatenate = attribute == "predict_function"
 
-        def one_step_on_data(data):
+        def function(data):
+            # Up to `steps_per_execution` batches: predict's outputs are
+            # concatenated (as Keras's own predict function does), the
+            # test logs are the last step's.
+            outputs = []
             with torch.no_grad():
-                return step(data[0])
+                for batch in data:
+                    outputs.append(step(batch))
+            if not concatenate or len(outputs) == 1:
+                return outputs[-1] if outputs else {}
+            return keras.tree.map_structure(
+                lambda *parts: torch.cat(parts, dim=0), *outputs
+            )
 
-        setattr(model, attribute, one_step_on_data)
-        return one_step_on_data
+        setattr(model, attribute, function)
+        return function
 
     def train_step(self, data):
         """One training step of this rank (a policy's)."""
