@@ -25,7 +25,8 @@ BATCH, EPOCHS, LEARNING_RATE = 16, 3, 0.1
 
 
 def build_model():
-    """Conv2D + Dense classifier (no BatchNormalization: see README)."""
+    """Conv2D + Dense classifier (no BatchNormalization: see
+    guides/distributed_training.md, "Custom training loops")."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [

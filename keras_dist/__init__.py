@@ -5,8 +5,7 @@ and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 """
 
 from keras_dist._src import quiet as _quiet  # isort: skip
-
-__version__ = "0.2.0"
+from keras_dist._src.version import __version__ as __version__  # isort: skip
 
 # The node launcher (`quiet.started_as_launcher`) starts and supervises
 # workers and never trains, so it imports neither Keras nor a backend: they

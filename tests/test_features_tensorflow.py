@@ -575,8 +575,8 @@ def test_on_batch_calls_split_the_batch(replicas):
 
 def test_cpu_replicas_sum_on_one_device():
     # On CPU devices the gradients are summed on one device, faster there
-    # than tf.distribute's default RING collective (performance.md,
-    # "Sixteenth session"); the parity tests above run on it.
+    # than tf.distribute's default RING collective (guides/performance.md);
+    # the parity tests above run on it.
     import tensorflow as tf
 
     engine = _strategy(2).extended

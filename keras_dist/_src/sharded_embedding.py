@@ -64,6 +64,8 @@ class ShardedEmbedding(keras.layers.Embedding):
         super().__init__(input_dim, output_dim, **kwargs)
 
     def build(self, input_shape=None):
+        """Creates the table: one variable, or `num_shards` row shards
+        under `ParameterServerStrategy`."""
         if self.built:
             return
         shards = max(1, min(_shards(self.num_shards), int(self.input_dim)))
@@ -99,11 +101,13 @@ class ShardedEmbedding(keras.layers.Embedding):
 
     @property
     def embeddings(self):
+        """The whole table (the shards concatenated when sharded)."""
         if self._shards is None:
             return super().embeddings
         return keras.ops.concatenate(self._shards, axis=0)
 
     def call(self, inputs):
+        """Looks up `inputs` (integer ids) in the table or its shards."""
         if self._shards is None:
             return super().call(inputs)
         import tensorflow as tf
@@ -113,6 +117,7 @@ class ShardedEmbedding(keras.layers.Embedding):
         return tf.nn.embedding_lookup(params, ids)
 
     def get_config(self):
+        """`Embedding`'s config with `num_shards`."""
         config = super().get_config()
         config["num_shards"] = self.num_shards
         return config

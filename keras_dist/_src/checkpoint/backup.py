@@ -186,6 +186,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- fit begins: restore -----------------------------------------------
     def on_train_begin(self, logs=None):
+        """Claims the backup directory and restores the latest backup, if
+        any, so that `fit` resumes at the saved epoch and step."""
         model = self.model
         self._reset_position()
         self.preempted = False
@@ -403,6 +405,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- epochs and steps ----------------------------------------------------
     def on_epoch_begin(self, epoch, logs=None):
+        """On the resumed epoch, replays the input to the saved step and
+        gives back the random state, metrics and callbacks' states."""
         resume = self._resume
         if resume is not None and epoch == resume["epoch"]:
             self._inputs.replay(resume["inputs"], resume["input_rng"])
@@ -448,6 +452,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resume = None
 
     def on_train_batch_end(self, batch, logs=None):
+        """Counts the step, saves every `save_freq` steps and checks for
+        preemption."""
         if self._skipped_call:  # only without the wrapped CallbackList
             self._skipped_batch_end(batch)
             return
@@ -464,6 +470,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
+        """Saves at the epoch's end when `save_freq="epoch"` and checks
+        for preemption."""
         self._epoch = epoch + 1
         self._step_in_epoch = 0
         if self._wrapped is None:
@@ -475,6 +483,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save()
 
     def on_train_end(self, logs=None):
+        """Ends the replay of a resumed epoch if `fit` ended within it."""
         if self._skipping and self._unskip is not None:
             self._unskip()  # the saved position was past this fit's end
         self._skipping = 0

@@ -422,7 +422,7 @@ def unprefixed(arrays: dict, prefix: str) -> dict:
 # -- versions --
 def versions() -> dict:
     """Versions of keras_dist, Keras, the backend framework and Python."""
-    import keras_dist
+    from keras_dist._src.version import __version__
 
     backend = keras.backend.backend()
     module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(
@@ -430,7 +430,7 @@ def versions() -> dict:
     )
     framework = getattr(sys.modules.get(module), "__version__", None)
     return {
-        "keras_dist": getattr(keras_dist, "__version__", None),
+        "keras_dist": __version__,
         "keras": keras.__version__,
         "backend": backend,
         "backend_version": framework,

@@ -34,6 +34,8 @@ EXIT_CODE = 1
 # (`keras_dist.callbacks.BackupAndRestore`) exits with EX_TEMPFAIL: not a
 # failure; the job as a whole exits with it too, so that it is requeued.
 PREEMPTION_EXIT_CODE = 75
+"""Exit status of a process that stopped for preemption after saving (75,
+``EX_TEMPFAIL``): not a failure; requeue the job and it resumes."""
 #: Seconds the rendezvous store may be unreachable before a rank concludes
 #: that rank 0 died.
 STORE_LOSS_SECONDS = 10.0

@@ -94,14 +94,14 @@ class SPMDEngine:
         # ("Expected 4 threads to join the rendezvous, but only 3 of them
         # arrived"; Keras's own `DataParallel` aborts the same way). It is a
         # deadlock, not a slow thread: with XLA's rendezvous timeout raised to
-        # 200 s, two of the four devices waited all 200 s (4 Dec. 2026). So on
+        # 200 s, two of the four devices waited all 200 s. So on
         # CPU devices at most `max_in_flight` steps may be in flight, well
         # under XLA's 32. Measured with 64-step fits for 60 s under 8 busy
         # processes on 2 cores: unbounded (4 of 4 runs) and 30 in flight
         # (1 of 1) aborted; 16 (6 runs; 2 more under 12 busy processes),
         # 8 (3), 4 (4) and 2 (3) did not. In A/B runs of 96 repeats 8 in
         # flight stayed 2-4 % above unbounded dispatch and 16 level with it
-        # (guides/performance.md, twelfth session); so 16. Accelerators
+        # (benchmarks/bench_fit.py); so 16. Accelerators
         # keep unbounded dispatch.
         self.max_in_flight = steps_in_flight(self.mesh.devices.flat)
         # An output of each dispatched step that may still run, oldest first.

@@ -79,7 +79,7 @@ def _new_mirrored_strategy(tf_devices):
       the first device, one `add_n` a tensor, copies back) instead of
       tf.distribute's default there, the RING collective: the devices share
       the host's memory, and summing on one device measured 0.84-0.91 of the
-      ring's step time (performance.md, "Sixteenth session"). GPUs keep
+      ring's step time (guides/performance.md). GPUs keep
       tf.distribute's choice (NCCL).
     """
     global _strategies_created
