@@ -11,6 +11,10 @@ says what the strategy would start.
 
     keras-dist doctor [--cpu-devices N] [--json]
     python -m keras_dist.cli doctor [--cpu-devices N] [--json]
+    keras-dist --version
+
+Only ``doctor`` imports Keras and the backend: ``--help``, ``--version``
+and ``launch`` answer without them (see ``keras_dist/_src/quiet.py``).
 """
 
 from __future__ import annotations
@@ -508,7 +512,15 @@ def doctor(args) -> int:
 
 def main(argv=None) -> int:
     """Entry point of the ``keras-dist`` console script."""
+    from keras_dist import __version__
+
     parser = argparse.ArgumentParser(prog="keras-dist")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"keras_dist {__version__}",
+        help="print keras_dist's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "doctor",

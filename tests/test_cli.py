@@ -285,6 +285,34 @@ def test_launcher_imports_neither_keras_nor_a_backend(how):
     assert not heavy, f"the launcher imported {sorted(heavy)}"
 
 
+@pytest.mark.parametrize("argument", ["--help", "--version"])
+def test_help_and_version_import_no_backend(argument):
+    # `keras-dist --help` imported Keras and TensorFlow (6.5 s here, 12.7 s
+    # with torch) and printed TF's start-up lines; both answer in ~0.1 s.
+    import keras_dist
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "keras_dist.cli", argument],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if argument == "--version":
+        assert proc.stdout == f"keras_dist {keras_dist.__version__}\n"
+    else:
+        assert proc.stdout.startswith("usage: keras-dist ")
+        assert "--version" in proc.stdout and "doctor" in proc.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "keras_dist" in imported
+    heavy = imported & {"keras", "tensorflow", "jax", "torch", "numpy"}
+    assert not heavy, f"keras-dist {argument} imported {sorted(heavy)}"
+
+
 def test_launcher_reads_the_backend_from_keras_json_without_keras(tmp_path):
     # Without KERAS_BACKEND the launcher needs keras.json's backend (a
     # TensorFlow job gets TF_CONFIG); importing Keras to ask took seconds
