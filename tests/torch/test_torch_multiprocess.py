@@ -677,3 +677,31 @@ def test_which_calls_read_metric_values_every_step(tmp_path):
             name,
             kwargs,
         )
+
+
+@pytest.mark.slow  # one fresh process importing torch and Keras: ~7 s
+def test_script_from_stdin_fails_at_once_with_what_to_do(tmp_path):
+    # It hung 120 s and ended in a raw DistStoreError: the relaunched ranks
+    # read an exhausted stdin and never joined.
+    script = "import keras_dist\nkeras_dist.MirroredStrategy()\n"
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_DIST_NO_LAUNCH"}
+    env.update(KERAS_BACKEND="torch", KERAS_DIST_CPU_DEVICES="2")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=100,  # a hang guard; the error comes after the imports
+    )
+    seconds = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "RuntimeError: keras_dist would start one process per device by "
+        "re-running this program, but it was read from standard input"
+    ), proc.stderr[-3000:]
+    assert "DistStoreError" not in proc.stderr
+    assert seconds < 60, f"took {seconds:.0f} s"
