@@ -36,6 +36,8 @@ else:
         check_keras_version as _check_keras_version,
     )
     from keras_dist._src.options import InputOptions, ShardPolicy
+    from keras_dist._src.output import chief_print as print  # noqa: A001
+    from keras_dist._src.output import on_chief
     from keras_dist._src.plan import DeviceMesh, LayoutMap
     from keras_dist._src.strategies import (
         CentralStorageStrategy,
@@ -84,6 +86,8 @@ else:
         "layers",
         "has_strategy",
         "list_devices",
+        "on_chief",
+        "print",
         "serve",
         "simulate_cpu_devices",
         "strategy_from_name",

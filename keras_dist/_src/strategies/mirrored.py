@@ -33,6 +33,8 @@ class MirroredStrategy(Strategy):
         sync_batch_norm: bool = True,
         input_options: InputOptions | None = None,
     ):
+        # Found, not named: one device found is worth a warning.
+        self._many_devices_meant = devices is None
         if devices is None:
             devices = backend_lib.get().default_devices()
         super().__init__(
