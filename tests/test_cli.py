@@ -57,6 +57,11 @@ def test_doctor_json_without_simulated_devices():
         # simulated devices (it would start no other process).
         assert report["mirrored_strategy"]["devices"] == ["cpu:0"]
         assert report["listens"] == []  # one process: nothing listens
+        if len(report["devices"]) > 1:  # torch: one CPU device a core
+            # The devices row listed more than the strategy uses, unsaid.
+            assert report["mirrored_strategy"]["note"].endswith(
+                "KERAS_DIST_CPU_DEVICES=N or --cpu-devices N for N processes"
+            )
 
 
 @pytest.mark.slow  # a fresh process: 5-10 s
