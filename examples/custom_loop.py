@@ -89,7 +89,8 @@ def train_tensorflow(strategy, model, optimizer, x, y):
             batches, strategy.distribute_dataset(dataset)
         ):
             loss = step(batch, tf.constant(len(batch_x), "float32"))
-        print(f"epoch {epoch + 1}: last batch loss {float(loss):.4f}")
+        last = float(loss)
+        keras_dist.print(f"epoch {epoch + 1}: last batch loss {last:.4f}")
 
 
 def train_jax(strategy, model, optimizer, x, y):
@@ -126,7 +127,8 @@ def train_jax(strategy, model, optimizer, x, y):
             grads = strategy.reduce("sum", grads)
             loss = strategy.reduce("sum", losses)
             optimizer.apply(grads, model.trainable_variables)
-        print(f"epoch {epoch + 1}: last batch loss {float(loss):.4f}")
+        last = float(loss)
+        keras_dist.print(f"epoch {epoch + 1}: last batch loss {last:.4f}")
 
 
 def train_custom(strategy, x, y):
@@ -166,7 +168,9 @@ def main():
         float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
         for a, b in zip(custom.get_weights(), fitted.get_weights())
     )
-    print(f"max relative weight difference, custom loop vs fit: {worst:.2e}")
+    keras_dist.print(
+        f"max relative weight difference, custom loop vs fit: {worst:.2e}"
+    )
 
 
 if __name__ == "__main__":

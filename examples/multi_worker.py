@@ -103,17 +103,22 @@ if args.out:  # every worker calls save: the chief writes the file
 if args.checkpoint:  # every worker writes its own shards, the chief commits
     keras_dist.checkpoint.save(model, args.checkpoint, async_save=True)
     keras_dist.checkpoint.wait()
-if strategy.is_chief:
-    print(
-        f"workers={strategy.num_workers} "
-        f"replicas={strategy.num_replicas_in_sync} "
-        f"loss={loss:.4f} accuracy={accuracy:.4f}"
-    )
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        np.savez(os.path.join(args.out, "weights.npz"), *weights)
-        np.save(os.path.join(args.out, "predictions.npy"), predictions)
-        with open(os.path.join(args.out, "history.json"), "w") as f:
-            json.dump(
-                {"history": history.history, "evaluate": [loss, accuracy]}, f
-            )
+strategy.print(
+    f"workers={strategy.num_workers} "
+    f"replicas={strategy.num_replicas_in_sync} "
+    f"loss={loss:.4f} accuracy={accuracy:.4f}"
+)
+
+
+@keras_dist.on_chief
+def write_results(folder):
+    """The chief's files (no collective inside: only the chief runs it)."""
+    os.makedirs(folder, exist_ok=True)
+    np.savez(os.path.join(folder, "weights.npz"), *weights)
+    np.save(os.path.join(folder, "predictions.npy"), predictions)
+    with open(os.path.join(folder, "history.json"), "w") as f:
+        json.dump({"history": history.history, "evaluate": [loss, accuracy]}, f)
+
+
+if args.out:
+    write_results(args.out)

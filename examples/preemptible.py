@@ -102,7 +102,6 @@ def main():
     x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
 
     strategy = keras_dist.MirroredStrategy()
-    say = print if strategy.is_chief else (lambda *a, **k: None)
     with strategy.scope():
         model = build_model()
         model.compile(
@@ -122,15 +121,22 @@ def main():
         batch_size=args.batch_size,
         epochs=args.epochs,
         shuffle=True,
-        verbose=2 if strategy.is_chief else 0,
+        verbose=2,  # the progress lines come from the chief only
         callbacks=[backup, Slow(args.sleep)],
     )
     loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    say(f"resumed from: {backup.restored_from}")
-    say(f"test accuracy={accuracy:.4f} loss={loss:.4f}")
-    if args.weights_out and strategy.is_chief:
-        arrays = [keras.ops.convert_to_numpy(w) for w in model.weights]
-        np.savez(args.weights_out, *arrays)
+    strategy.print(f"resumed from: {backup.restored_from}")
+    strategy.print(f"test accuracy={accuracy:.4f} loss={loss:.4f}")
+    if args.weights_out:
+        save_arrays(args.weights_out, model)
+
+
+@keras_dist.on_chief
+def save_arrays(path, model):
+    """Writes the model's weights as a NumPy archive, on the chief only (no
+    collective inside: the other processes do not call it)."""
+    arrays = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    np.savez(path, *arrays)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ def main():
     x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
 
     strategy = keras_dist.MirroredStrategy()
-    say = print if strategy.is_chief else (lambda *a, **k: None)
-    say(
+    # strategy.print prints on the chief only: on torch this script runs
+    # once per device, and a plain print would appear once per process.
+    strategy.print(
         f"backend={keras.backend.backend()} "
         f"replicas={strategy.num_replicas_in_sync} "
         f"devices={list(strategy.devices)}"
@@ -90,7 +91,7 @@ def main():
         verbose=2,
     )
     loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    say(f"test loss={loss:.4f} test accuracy={accuracy:.4f}")
+    strategy.print(f"test loss={loss:.4f} test accuracy={accuracy:.4f}")
 
 
 if __name__ == "__main__":

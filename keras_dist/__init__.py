@@ -7,10 +7,11 @@ and ``predict`` then run replicated. See ``guides/distributed_training.md``.
 from keras_dist._src import quiet as _quiet  # isort: skip
 from keras_dist._src.version import __version__ as __version__  # isort: skip
 
-# The node launcher (`quiet.started_as_launcher`) starts and supervises
-# workers and never trains, so it imports neither Keras nor a backend: they
-# were 5.5 s of its 7.6 s start here, paid before any worker started.
-if _quiet.started_as_launcher():
+# The node launcher starts and supervises workers and never trains, and
+# `keras-dist --help` / `--version` only answer (`quiet.needs_no_backend`):
+# they import neither Keras nor a backend, which took 5.5 s of the
+# launcher's 7.6 s start and 6.5 to 12.7 s of `keras-dist --help` here.
+if _quiet.needs_no_backend():
     __all__: list[str] = []
 else:
     from keras_dist import callbacks, checkpoint, layers
@@ -34,6 +35,8 @@ else:
         check_keras_version as _check_keras_version,
     )
     from keras_dist._src.options import InputOptions, ShardPolicy
+    from keras_dist._src.output import chief_print as print  # noqa: A001
+    from keras_dist._src.output import on_chief
     from keras_dist._src.plan import DeviceMesh, LayoutMap
     from keras_dist._src.strategies import (
         CentralStorageStrategy,
@@ -82,6 +85,8 @@ else:
         "layers",
         "has_strategy",
         "list_devices",
+        "on_chief",
+        "print",
         "serve",
         "simulate_cpu_devices",
         "strategy_from_name",

@@ -11,6 +11,10 @@ says what the strategy would start.
 
     keras-dist doctor [--cpu-devices N] [--json]
     python -m keras_dist.cli doctor [--cpu-devices N] [--json]
+    keras-dist --version
+
+Only ``doctor`` imports Keras and the backend: ``--help``, ``--version``
+and ``launch`` answer without them (see ``keras_dist/_src/quiet.py``).
 """
 
 from __future__ import annotations
@@ -325,6 +329,16 @@ def collect(cpu_devices: int = 0) -> dict:
             if len(devices) > 1
             else "runs in this process"
         )
+        listed = report["devices"] or []
+        if len(devices) == 1 and len(listed) > 1 and devices[0] in listed:
+            # list_devices() names every device a rank may take (one CPU
+            # device per core); MirroredStrategy() takes one on a CPU
+            # unless asked: the two rows must not read as a contradiction.
+            mirrored["note"] += (
+                f", not on the {len(listed)} devices listed above (one "
+                "process each): KERAS_DIST_CPU_DEVICES=N or --cpu-devices N "
+                "for N processes"
+            )
     else:
         mirrored["processes"] = 1
     report["mirrored_strategy"] = mirrored
@@ -508,7 +522,15 @@ def doctor(args) -> int:
 
 def main(argv=None) -> int:
     """Entry point of the ``keras-dist`` console script."""
+    from keras_dist import __version__
+
     parser = argparse.ArgumentParser(prog="keras-dist")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"keras_dist {__version__}",
+        help="print keras_dist's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "doctor",

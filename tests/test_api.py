@@ -357,3 +357,92 @@ def test_instance_patches_refuse_to_restore_over_another_patch():
     first.set(other, "call", lambda: "first")
     first.restore()
     assert other.call() == "class" and "call" not in other.__dict__
+
+
+@needs_multi
+def test_first_fit_says_what_trains_where_once(capfd):
+    # MirroredStrategy said nothing about its devices: a run on one replica
+    # looked like a run on four.
+    strategy = keras_dist.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((18, 3), "float32")
+    capfd.readouterr()
+    model.fit(x, x[:, :1], batch_size=10, epochs=1, verbose=0)
+    model.fit(x, x[:, :1], batch_size=10, epochs=1, verbose=0)
+    model.evaluate(x, x[:, :1], batch_size=10, verbose=0)
+    lines = [
+        line
+        for line in capfd.readouterr().err.splitlines()
+        if line.startswith("keras_dist: ")
+    ]
+    assert lines == [
+        f"keras_dist: MirroredStrategy on {keras.backend.backend()}: "
+        "4 replicas, 1 process x 4 devices (cpu:0 cpu:1 cpu:2 cpu:3), no "
+        "mesh (every variable whole on each replica); fit: per-replica "
+        "batch 2-3 (global 10)"
+    ]
+
+
+def test_one_replica_found_says_how_to_get_more():
+    from keras_dist._src import output
+
+    strategy = keras_dist.MirroredStrategy(["cpu:0"])
+    # One device named on purpose: nothing to say.
+    assert output.one_replica_advice(strategy, "jax") is None
+    strategy._many_devices_meant = True  # as MirroredStrategy() finding one
+    assert output.one_replica_advice(strategy, "jax") == (
+        "MirroredStrategy found one device (cpu:0): training runs on a "
+        "single replica, as without a strategy. On a CPU, split it: "
+        "KERAS_DIST_CPU_DEVICES=4 (or keras_dist.simulate_cpu_devices(4) "
+        "right after `import keras_dist`)."
+    )
+    assert "keras-dist launch --nproc-per-node 2" in (
+        output.one_replica_advice(strategy, "torch")
+    )
+
+
+def test_verbosity_levels(monkeypatch):
+    import logging
+
+    from keras_dist._src import output
+
+    for value, level in (("0", logging.WARNING), ("2", logging.DEBUG)):
+        monkeypatch.setenv(output.ENV_VERBOSE, value)
+        assert output.verbosity() == level
+    monkeypatch.delenv(output.ENV_VERBOSE)
+    assert output.verbosity() == logging.INFO
+    monkeypatch.setenv(output.ENV_VERBOSE, "yes")
+    with pytest.raises(ValueError, match="KERAS_DIST_VERBOSE='yes'"):
+        output.verbosity()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_print_and_on_chief_before_a_strategy(monkeypatch, capsys, rank):
+    # On torch the script runs once per process: a plain print appears
+    # once per rank. Before any strategy, the launcher's variables say who
+    # the chief is.
+    from keras_dist._src import output
+
+    monkeypatch.setattr(output, "_last_strategy", None)
+    for name, value in dict(
+        RANK=rank,
+        WORLD_SIZE="2",
+        LOCAL_RANK=rank,
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29400",
+    ).items():
+        monkeypatch.setenv(name, value)
+
+    @keras_dist.on_chief
+    def summary(value):
+        """Returns twice `value`."""
+        return 2 * value
+
+    keras_dist.print("epoch", 1, sep=":")
+    chief = rank == "0"
+    assert capsys.readouterr().out == ("epoch:1\n" if chief else "")
+    assert summary(21) == (42 if chief else None)
+    assert summary.__doc__ == "Returns twice `value`."

@@ -57,6 +57,11 @@ def test_doctor_json_without_simulated_devices():
         # simulated devices (it would start no other process).
         assert report["mirrored_strategy"]["devices"] == ["cpu:0"]
         assert report["listens"] == []  # one process: nothing listens
+        if len(report["devices"]) > 1:  # torch: one CPU device a core
+            # The devices row listed more than the strategy uses, unsaid.
+            assert report["mirrored_strategy"]["note"].endswith(
+                "KERAS_DIST_CPU_DEVICES=N or --cpu-devices N for N processes"
+            )
 
 
 @pytest.mark.slow  # a fresh process: 5-10 s
@@ -283,6 +288,34 @@ def test_launcher_imports_neither_keras_nor_a_backend(how):
     assert "keras_dist" in imported
     heavy = imported & {"keras", "tensorflow", "jax", "torch", "numpy"}
     assert not heavy, f"the launcher imported {sorted(heavy)}"
+
+
+@pytest.mark.parametrize("argument", ["--help", "--version"])
+def test_help_and_version_import_no_backend(argument):
+    # `keras-dist --help` imported Keras and TensorFlow (6.5 s here, 12.7 s
+    # with torch) and printed TF's start-up lines; both answer in ~0.1 s.
+    import keras_dist
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "keras_dist.cli", argument],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if argument == "--version":
+        assert proc.stdout == f"keras_dist {keras_dist.__version__}\n"
+    else:
+        assert proc.stdout.startswith("usage: keras-dist ")
+        assert "--version" in proc.stdout and "doctor" in proc.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "keras_dist" in imported
+    heavy = imported & {"keras", "tensorflow", "jax", "torch", "numpy"}
+    assert not heavy, f"keras-dist {argument} imported {sorted(heavy)}"
 
 
 def test_launcher_reads_the_backend_from_keras_json_without_keras(tmp_path):

@@ -474,3 +474,25 @@ def test_cpu_allocator_keeps_freed_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_DIST_CPU_ALLOCATOR", "jemalloc")
     with pytest.raises(ValueError, match="not one of auto, none"):
         allocator.tune_allocator()
+
+
+@pytest.mark.parametrize(
+    "argv0, main_file", [("-", "<stdin>"), ("", "<stdin>"), ("-", None)]
+)
+def test_relaunch_refuses_a_program_read_from_stdin(
+    monkeypatch, argv0, main_file
+):
+    # `python - < train.py` re-ran as `python -`: the children read an
+    # exhausted stdin, ran nothing, and rank 0 waited 120 s for them.
+    from keras_dist._src.cluster import launcher
+
+    main = type(sys)("__main__")
+    if main_file:
+        main.__file__ = main_file
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-"])
+    monkeypatch.delenv(launcher.ENV_NO_LAUNCH, raising=False)
+    with pytest.raises(RuntimeError, match="read from standard input") as e:
+        launcher.relaunch_command()
+    assert "keras-dist launch --nproc-per-node N train.py" in str(e.value)

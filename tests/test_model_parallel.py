@@ -267,6 +267,36 @@ def test_describe_before_the_first_step_says_what_is_missing():
 
 @jax_only
 @pytest.mark.multi_device
+def test_describe_draws_the_mesh_and_each_variable_placement(capsys):
+    # A table of tuples told where a variable lives only to who could read
+    # a layout; the picture names the devices at each place of the mesh.
+    strategy = _strategies()["mp2x2_product"]()
+    with strategy.scope():
+        model = build()
+        compile_model(model)
+        model.optimizer.build(model.trainable_variables)
+    rows = strategy.describe(model)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == [
+        "mesh (2, 2) ('batch', 'model'):",
+        "         model=0  model=1",
+        "batch=0  cpu:0    cpu:1",
+        "batch=1  cpu:2    cpu:3",
+        "placement of the model's variables:",
+    ]
+    assert (
+        "  hidden/kernel (64, 16): dim 0 of 64 split in 4 over batch+model"
+        in (lines)
+    )
+    assert "  out/kernel (16, 4): dim 0 of 16 split in 2 over model" in lines
+    assert "  out/bias (4,): whole on every device" in lines
+    table = lines.index("") + 1
+    assert lines[table].split() == ["path", "shape", "layout", "bytes/device"]
+    assert len(rows) == len(lines) - table - 2  # header and total
+
+
+@jax_only
+@pytest.mark.multi_device
 @pytest.mark.parametrize("first", ["fit", "predict"])
 def test_a_model_its_first_call_builds_gets_its_layouts(first):
     """A model made in the scope without an input shape is built by its

@@ -29,6 +29,12 @@ def simulate_cpu_devices(count: int) -> None:
 def list_devices(device_type: str | None = None) -> list[str]:
     """Returns the devices of this process as ``"type:index"`` names.
 
+    These are the devices a strategy may name. ``MirroredStrategy()`` uses
+    every GPU, else the simulated CPU devices; with neither, one CPU device
+    (``cpu:0``), although torch lists one CPU device per core (each would
+    be a process): set ``KERAS_DIST_CPU_DEVICES=N`` for N. ``keras-dist
+    doctor`` shows both.
+
     Args:
         device_type: ``"cpu"``, ``"gpu"`` or ``"tpu"`` to filter, or None.
     """

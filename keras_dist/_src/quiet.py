@@ -8,8 +8,9 @@ keras_dist.cli``) does it default ``TF_CPP_MIN_LOG_LEVEL`` to 1: TensorFlow's
 C++ INFO lines (the CPU-feature note printed at import) are hidden, its
 warnings and errors still show, since the doctor is there to diagnose.
 
-It also tells the package whether this process is the node launcher
-(`started_as_launcher`), which imports neither Keras nor a backend.
+It also tells the package whether this process needs neither Keras nor a
+backend (`needs_no_backend`): the node launcher, and the ``keras-dist``
+command for anything but running ``doctor`` (``--help``, ``--version``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ def started_as_launcher() -> bool:
     if command[:1] == [LAUNCH_MODULE]:
         return True
     return started_as_cli() and command[1:2] == ["launch"]
+
+
+def needs_no_backend() -> bool:
+    """Whether this process imports neither Keras nor a backend: the node
+    launcher (`started_as_launcher`), or the ``keras-dist`` command for
+    anything but running ``doctor`` (``keras-dist --help``, ``--version``,
+    ``doctor --help``, a usage error), which then answers in well under a
+    second instead of the seconds a backend takes to import."""
+    if started_as_launcher():
+        return True
+    if not started_as_cli():
+        return False
+    arguments = _command()[1:]
+    if arguments[:1] != ["doctor"]:
+        return True
+    return bool({"-h", "--help"} & set(arguments[1:]))
 
 
 def quiet_cli_start() -> None:

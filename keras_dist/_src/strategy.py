@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 
 from keras import tree
 
 from keras_dist._src import backends as backend_lib
-from keras_dist._src import context
+from keras_dist._src import context, output
 from keras_dist._src.cluster.environments import ClusterEnvironment
 from keras_dist._src.devices import check_devices_exist, normalize_device
 from keras_dist._src.errors import (
@@ -22,6 +23,9 @@ from keras_dist._src.options import InputOptions
 from keras_dist._src.plan import Plan, ReplicatedPlan
 from keras_dist._src.runtime import Runtime
 from keras_dist._src.values import ReduceOp
+
+#: `Strategy.describe`'s default: print on the chief only.
+_CHIEF = object()
 
 
 class Strategy:
@@ -97,6 +101,8 @@ class Strategy:
             self._runtime.shutdown()
             raise
         hook.install()
+        output.set_last_strategy(self)
+        output.warn_if_one_replica(self, backend_lib.name())
 
     def _make_plan(self, devices) -> Plan:
         """This strategy's plan over `devices` (this process's devices,
@@ -168,6 +174,28 @@ class Strategy:
             StrategyMixingError: when another strategy's scope is active.
         """
         return self._scope(self._engine.scope)
+
+    def print(self, *args, **kwargs) -> None:
+        """`print` on the chief only, flushed (nothing on other processes).
+
+        Takes `print`'s arguments. On torch the script runs once per
+        device, so a plain `print` appears once per process.
+        """
+        if self.is_chief:
+            kwargs.setdefault("flush", True)
+            print(*args, **kwargs)
+
+    def _announce(self, name: str, method, args, kwargs) -> None:
+        """Logs once, from the chief, what trains where (at the first
+        `fit`, `evaluate` or `predict`, with that call's batch)."""
+        if getattr(self, "_announced", False):
+            return
+        try:
+            bound = inspect.signature(method).bind_partial(*args, **kwargs)
+            batch_size = bound.arguments.get("batch_size")
+        except (TypeError, ValueError):
+            batch_size = kwargs.get("batch_size")
+        output.announce(self, name, batch_size)
 
     @contextlib.contextmanager
     def _call_scope(self, name: str):
@@ -250,26 +278,39 @@ class Strategy:
         """Returns the per-replica parts of `value` as a tuple."""
         return self._engine.local_results(value)
 
-    def describe(self, model, print_fn=print) -> list[dict]:
+    def describe(self, model, print_fn=_CHIEF) -> list[dict]:
         """Every variable's path, global shape, layout and bytes per device.
+
+        Prints a picture of the device mesh, where each model variable is
+        split, and a table of every variable (model, optimizer, metrics),
+        once: on the chief. Returns the rows on every process.
 
         Args:
             model: a model built in this strategy's scope.
-            print_fn: where the table goes (None: nowhere).
+            print_fn: where the text goes: by default `print` on the chief
+                only; a function given here is called on every process;
+                None prints nothing.
 
         Returns:
             One dict per variable: ``path``, ``group`` (model, optimizer or
             metrics), ``shape``, ``dtype``, ``layout`` (a tuple, None per
             whole dimension) and ``bytes_per_device``.
         """
-        return describe_variables(self._engine, model, print_fn)
+        if print_fn is _CHIEF:
+            print_fn = self.print
+        return describe_variables(
+            self._engine, model, print_fn, self._plan.mesh, self._devices
+        )
 
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._devices)})"
 
 
-def describe_variables(engine, model, print_fn=print) -> list[dict]:
-    """`Strategy.describe`: rows of every variable's placement."""
+def describe_variables(
+    engine, model, print_fn=print, mesh=None, devices=()
+) -> list[dict]:
+    """`Strategy.describe`: rows of every variable's placement, printed
+    below a picture of `mesh` (or of the replicas' `devices`)."""
     import numpy as np
 
     optimizer = getattr(model, "optimizer", None)
@@ -307,8 +348,17 @@ def describe_variables(engine, model, print_fn=print) -> list[dict]:
         )
         warnings.warn(missing, stacklevel=3)
     if print_fn is not None:
+        lines = [output.mesh_diagram(mesh, list(devices))]
+        if mesh is not None:
+            lines.append("placement of the model's variables:")
+            lines += [
+                output.placement_line(r, mesh)
+                for r in rows
+                if r["group"] == "model"
+            ]
+        lines.append("")
         width = max([len(r["path"]) for r in rows] + [4])
-        lines = [
+        lines += [
             f"{'path':<{width}}  {'shape':<16} {'layout':<24} bytes/device"
         ]
         for r in rows:

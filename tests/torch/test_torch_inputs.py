@@ -297,7 +297,11 @@ elif case == "off_all_empty":
 
 
 def _run(tmp_path, body, args, timeout=400, name="script.py", timeout_s=None):
-    env = {"KERAS_DIST_CPU_DEVICES": "2", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {
+        "KERAS_DIST_CPU_DEVICES": "2",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "KERAS_DIST_VERBOSE": "2",  # the input-sharding choice (DEBUG)
+    }
     if timeout_s:
         env["KERAS_DIST_TIMEOUT"] = str(timeout_s)
     source = PRELUDE + textwrap.dedent(body)
@@ -351,7 +355,10 @@ def test_every_input_type_matches_one_device(tmp_path):
         (single, _), (double, _) = one.result(), two.result()
     assert single.returncode == 0, single.stderr[-3000:]
     assert double.returncode == 0, double.stderr[-3000:]
-    assert "ShardPolicy.AUTO: sharding the input by DATA" in double.stderr
+    assert (
+        "keras_dist: each process reads all of the input and keeps its own "
+        "part of every global batch (ShardPolicy.DATA)." in double.stderr
+    )
     names = [
         "numpy_dict_shuffled",
         "numpy_list",
@@ -395,7 +402,9 @@ def test_off_and_file_policies_uneven_ranks(tmp_path):
         (single, _), (double, _) = (j.result() for j in jobs)
     assert single.returncode == 0, single.stderr[-3000:]
     assert double.returncode == 0, double.stderr[-3000:]
-    assert "reads its own files (FILE)" in double.stderr
+    assert "each process reads its own files (ShardPolicy.FILE)" in (
+        double.stderr
+    )
     print(
         "max relative weight difference:", _compare(tmp_path, ["off", "file"])
     )

@@ -677,3 +677,85 @@ def test_which_calls_read_metric_values_every_step(tmp_path):
             name,
             kwargs,
         )
+
+
+@pytest.mark.slow  # one fresh process importing torch and Keras: ~7 s
+def test_script_from_stdin_fails_at_once_with_what_to_do(tmp_path):
+    # It hung 120 s and ended in a raw DistStoreError: the relaunched ranks
+    # read an exhausted stdin and never joined.
+    script = "import keras_dist\nkeras_dist.MirroredStrategy()\n"
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_DIST_NO_LAUNCH"}
+    env.update(KERAS_BACKEND="torch", KERAS_DIST_CPU_DEVICES="2")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=100,  # a hang guard; the error comes after the imports
+    )
+    seconds = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "RuntimeError: keras_dist would start one process per device by "
+        "re-running this program, but it was read from standard input"
+    ), proc.stderr[-3000:]
+    assert "DistStoreError" not in proc.stderr
+    assert seconds < 60, f"took {seconds:.0f} s"
+
+
+#: Output from the chief only, on 2 ranks: each rank writes what on_chief
+#: returned; the marks are counted in the job's output.
+CHIEF_OUTPUT = """
+out = sys.argv[1]
+rank = int(os.environ.get("RANK", "0"))
+strategy = keras_dist.MirroredStrategy(["cpu:0", "cpu:1"])
+keras_dist.print("MARK-PRINT")
+strategy.print("MARK-STRATEGY-PRINT")
+
+
+@keras_dist.on_chief
+def chief_value():
+    return 42
+
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+x = np.ones((12, 3), "float32")  # the same on every rank
+model.fit(x, x[:, :1], batch_size=6, epochs=1, verbose=0)
+rows = strategy.describe(model)
+with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+    json.dump({"value": chief_value(), "rows": len(rows)}, f)
+"""
+
+CHIEF_OUTPUT_PART = register_torch_part("chief_output", PRELUDE + CHIEF_OUTPUT)
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+@pytest.mark.torch_part(CHIEF_OUTPUT_PART)
+def test_print_describe_and_the_start_line_come_once(torch_parts):
+    # Every print appeared once per rank (the describe table twice).
+    out = torch_parts.output(CHIEF_OUTPUT_PART)
+    results = [
+        json.loads((out / f"r{rank}.json").read_text()) for rank in range(2)
+    ]
+    assert [r["value"] for r in results] == [42, None]
+    assert results[0]["rows"] == results[1]["rows"] > 0  # data everywhere
+    output = torch_parts.proc.stdout
+    assert output.count("MARK-PRINT\n") == 1
+    assert output.count("MARK-STRATEGY-PRINT\n") == 1
+    assert output.count("mesh: every variable is whole on each of") == 1
+    assert output.count("total bytes per device:") == 1
+    assert (
+        torch_parts.proc.stderr.count(
+            "keras_dist: MirroredStrategy on torch: 2 replicas, 2 processes "
+            "x 1 device (cpu:0 cpu:1), no mesh (every variable whole on each "
+            "replica); fit: per-replica batch 3 (global 6)\n"
+        )
+        == 1
+    )

@@ -140,14 +140,21 @@ def relaunch_command() -> list[str]:
     interpreter.
 
     Raises:
-        RuntimeError: when the program cannot be re-run (an interactive
-            session, a notebook or pytest).
+        RuntimeError: when the program cannot be re-run (a program read
+            from standard input, an interactive session, a notebook or
+            pytest).
     """
     main = sys.modules.get("__main__")
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv)
     # ``python -c CODE`` re-runs as it was started (its code is in argv);
     # a prompt, ``python -i`` or a program read from stdin cannot.
     from_c = sys.argv[:1] == ["-c"] and "-c" in argv[1:]
+    # ``python - < train.py`` (and ``python < train.py``): the children
+    # would read an exhausted stdin, run nothing and leave rank 0 waiting
+    # for them until the rendezvous timed out.
+    from_stdin = not hasattr(sys, "ps1") and (
+        sys.argv[:1] == ["-"] or getattr(main, "__file__", None) == "<stdin>"
+    )
     interactive = (
         hasattr(sys, "ps1")
         or sys.flags.interactive
@@ -157,18 +164,29 @@ def relaunch_command() -> list[str]:
     under_pytest = script.startswith(("pytest", "py.test")) or (
         "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["pytest"]
     )
+    if from_stdin and not os.environ.get(ENV_NO_LAUNCH):
+        raise RuntimeError(
+            "keras_dist would start one process per device by re-running "
+            "this program, but it was read from standard input (`python - "
+            "< train.py`), which cannot be read again. Save it to a file "
+            "and run `python train.py` (keras_dist starts the other "
+            "processes), start them yourself with `keras-dist launch "
+            "--nproc-per-node N train.py`, or train on one device "
+            '(devices=["cpu:0"], or without KERAS_DIST_CPU_DEVICES).'
+        )
     if interactive or under_pytest or os.environ.get(ENV_NO_LAUNCH):
         where = "pytest" if under_pytest else "an interactive session"
         if os.environ.get(ENV_NO_LAUNCH):
             where = f"a process with {ENV_NO_LAUNCH} set"
         raise RuntimeError(
             f"keras_dist would start one process per device by re-running "
-            f"this program, but it runs in {where}, which cannot be "
-            "re-run. Put the training code in a script and run it with "
-            "`python train.py` or `python -c CODE` (keras_dist starts the "
-            "other processes), or start them with `keras-dist launch "
-            "--nproc-per-node N train.py` or `torchrun --nproc_per_node=N "
-            "train.py`."
+            f"this program, but it runs in {where} (a prompt or a "
+            "notebook), which cannot be re-run. Put the training code in "
+            "a script and run it with `python train.py` or `python -c "
+            "CODE` (keras_dist starts the other processes), start them "
+            "with `keras-dist launch --nproc-per-node N train.py` or "
+            "`torchrun --nproc_per_node=N train.py`, or train on one "
+            'device (devices=["cpu:0"]).'
         )
     return [sys.executable] + argv[1:]
 

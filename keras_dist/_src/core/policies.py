@@ -35,7 +35,7 @@ import weakref
 
 import keras
 
-from keras_dist._src.cluster import supervision
+from keras_dist._src import output
 from keras_dist._src.core.shards import shard_size
 from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.options import ShardPolicy
@@ -46,11 +46,14 @@ _FILE_READERS = re.compile(
 _logged: set = set()
 
 
-def _log_once(message: str, is_chief: bool) -> None:
+def _log_once(message: str, is_chief: bool, level: str = "debug") -> None:
+    """Logs `message` once per process, from the chief: at DEBUG what
+    keras_dist chose by itself (``KERAS_DIST_VERBOSE=2`` shows it), at
+    WARNING what differs from what the user asked for."""
     if message not in _logged:
         _logged.add(message)
         if is_chief:
-            supervision.log(message)
+            getattr(output.logger(), level)(message)
 
 
 def _serialized_graph(dataset) -> bytes | None:
@@ -250,22 +253,24 @@ def resolve_policy(policy: ShardPolicy, x, is_chief: bool = True):
     if glue.is_tf_dataset(x) and is_file_dataset(x):
         if policy is ShardPolicy.AUTO:
             _log_once(
-                "ShardPolicy.AUTO: the tf.data.Dataset reads files, so each "
-                "rank reads its own files (FILE).",
+                "the tf.data.Dataset reads files, so each process reads "
+                "its own files (ShardPolicy.FILE).",
                 is_chief,
             )
         return ShardPolicy.FILE
     if policy is ShardPolicy.FILE:
         _log_once(
-            f"ShardPolicy.FILE: the input ({type(x).__name__}) is not a "
-            "file-backed tf.data.Dataset; falling back to DATA (every rank "
-            "reads all of it and keeps its part of each global batch).",
+            f"ShardPolicy.FILE asked, but the input ({type(x).__name__}) is "
+            "not a file-backed tf.data.Dataset: each process reads all of "
+            "it and keeps its own part of every global batch "
+            "(ShardPolicy.DATA).",
             is_chief,
+            "warning",
         )
     elif policy is ShardPolicy.AUTO:
         _log_once(
-            "ShardPolicy.AUTO: sharding the input by DATA (every rank reads "
-            "all of it and keeps its part of each global batch).",
+            "each process reads all of the input and keeps its own part of "
+            "every global batch (ShardPolicy.DATA).",
             is_chief,
         )
     return ShardPolicy.DATA

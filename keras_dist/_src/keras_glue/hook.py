@@ -320,6 +320,7 @@ def _in_scope(method, strategy, name):
         if outer and runtime.has_key_values:
             supervision.agree_on_call(runtime, name)
         with strategy._call_scope(name):
+            strategy._announce(name, method, args, kwargs)  # once
             args, kwargs = engine.prepare_call(name, method, args, kwargs)
             # After the engine's own look at the caller's arguments (which
             # must be the same on every process).

@@ -16,6 +16,20 @@ class MirroredStrategy(Strategy):
     the replicas and gradients are all-reduced, so every replica holds the
     same weights after each step.
 
+    On torch each device is a process: without a launcher the strategy
+    starts the others by re-running this script, so everything before it
+    runs once per process. Use `keras_dist.print` or `Strategy.print` (or
+    `keras_dist.on_chief`) for output and files. Data made before the
+    strategy must be the same on every process: load it from files, or
+    seed it (``keras.utils.set_random_seed(0)`` or
+    ``np.random.default_rng(0)``), since unseeded random data differs
+    between processes and each would train on its own. The initial
+    weights are the chief's on every process, whatever the seeds. A
+    script read from standard input cannot be re-run: save it to a file.
+
+    Logs one line saying what trains where at the first ``fit`` (silenced
+    by ``KERAS_DIST_VERBOSE=0``) and warns when it finds one device.
+
     Args:
         devices: device names; defaults to every GPU/TPU, else every
             (simulated) CPU device.
@@ -33,6 +47,8 @@ class MirroredStrategy(Strategy):
         sync_batch_norm: bool = True,
         input_options: InputOptions | None = None,
     ):
+        # Found, not named: one device found is worth a warning.
+        self._many_devices_meant = devices is None
         if devices is None:
             devices = backend_lib.get().default_devices()
         super().__init__(

@@ -31,6 +31,7 @@ class _MeshStrategy(Strategy):
             )
         self._mesh = mesh
         self._batch_axis = batch_axis
+        self._many_devices_meant = mesh is None  # found, not named
         environment = (
             environment_from(cluster_resolver)
             if cluster_resolver is not None

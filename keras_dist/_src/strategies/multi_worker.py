@@ -42,6 +42,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         input_options: InputOptions | None = None,
     ):
         environment = environment_from(cluster_resolver)
+        self._many_devices_meant = True  # warn when one replica is found
         # None: the backend's default devices, listed once this process has
         # joined the job (on torch, where a process drives one device, the
         # backend picks this process's by its local rank).
