@@ -1,65 +1,149 @@
 #!/usr/bin/env bash
-# Installs what the tests need (pinned CPU builds) into .venv and runs the
-# lint and the whole test suite once per Keras backend.
+# Installs what the tests need and runs every check: lint, the docs build,
+# the whole test suite once per Keras backend on the pinned Keras
+# (requirements/ci.txt), and a named subset of it on the newest Keras
+# (requirements/keras-next.txt) — every strategy on every backend: parity,
+# the feature matrix, layouts, checkpoints, multi-worker and preemption.
 #
-# The backends run in two lanes at once — TensorFlow then torch's feature
-# matrix and layout tests beside JAX then the rest of torch — since most tests keep one core
-# busy; on a 2-core machine that cuts the wall time by about a third.
-# KERAS_DIST_LANES=1 runs the three one after the other. Each lane's output
-# is printed when it ends.
+# The runs go in two lanes at once (most tests keep one core busy; on a
+# 2-core machine that cuts the wall time by about a third): TensorFlow,
+# torch's feature matrix and layout tests, then the newest Keras's
+# TensorFlow subset; beside JAX, the rest of torch, then the newest
+# Keras's JAX and torch subsets. A line is printed as each run starts and
+# ends; each lane's whole output is printed when the lane ends.
+#
+#   KERAS_DIST_LANES=1      runs everything one after the other
+#   KERAS_DIST_NEXT_KERAS=0 leaves out the newest Keras (and its install)
+#   KERAS_DIST_DOCS=0       leaves out the docs build
+#   KERAS_DIST_PYTEST_ARGS  adds pytest arguments to every run
+#
+# Takes about 35-50 minutes on 2 cores, the installs included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KERAS_DIST_VENV:-.venv}"
+NEXT_VENV="${KERAS_DIST_NEXT_VENV:-.venv-keras-next}"
+DOCS_VENV="${KERAS_DIST_DOCS_VENV:-.venv-docs}"
+NEXT="${KERAS_DIST_NEXT_KERAS:-1}"
+DOCS="${KERAS_DIST_DOCS:-1}"
+start=$SECONDS
+# Progress lines go to the terminal (fd 3) even from a lane whose output
+# goes to its log.
+exec 3>&2
+note() { echo "--- $(date +%H:%M:%S) [$((SECONDS - start)) s] $*" >&3; }
+
+note "installing requirements/ci.txt into $VENV"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV" || exit 1
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   -r requirements/ci.txt -e . || exit 1
-"$VENV/bin/python" -m ruff check keras_dist tests examples benchmarks || exit 1
-"$VENV/bin/python" -m ruff format --check keras_dist tests examples benchmarks \
+
+if [ "$NEXT" = "1" ]; then
+  # The newest Keras in a virtualenv of its own that reads every other
+  # package from $VENV: keras-nightly ships the same `keras` module as
+  # keras, and its own site-packages comes first.
+  note "installing requirements/keras-next.txt into $NEXT_VENV"
+  [ -x "$NEXT_VENV/bin/python" ] || python3 -m venv "$NEXT_VENV" || exit 1
+  base_site=$("$VENV/bin/python" -c \
+    "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  next_site=$("$NEXT_VENV/bin/python" -c \
+    "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import site; site.addsitedir('$base_site')" \
+    >"$next_site/keras_dist_base_venv.pth"
+  "$NEXT_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    --no-deps -r requirements/keras-next.txt || exit 1
+  "$NEXT_VENV/bin/python" -c "import keras; print('newest Keras:', \
+keras.__version__)" || exit 1
+fi
+
+note "lint"
+"$VENV/bin/python" -m ruff check keras_dist tests examples benchmarks tools \
   || exit 1
+"$VENV/bin/python" -m ruff format --check keras_dist tests examples \
+  benchmarks tools || exit 1
+
+if [ "$DOCS" = "1" ]; then
+  note "docs: API reference and guides (requirements/docs.txt)"
+  [ -x "$DOCS_VENV/bin/python" ] || python3 -m venv "$DOCS_VENV" || exit 1
+  "$DOCS_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -r requirements/docs.txt || exit 1
+  PYTHON="$VENV/bin/python" DOCS_PYTHON="$DOCS_VENV/bin/python" \
+    bash tools/build_docs.sh >/dev/null || exit 1
+fi
+
 LOGS="$(mktemp -d)"
 trap 'rm -rf "$LOGS"' EXIT
-start=$SECONDS
 
-# run_backend BACKEND [PYTEST ARGS...] (default: every test);
-# KERAS_DIST_PYTEST_ARGS adds arguments to every run (e.g. -x).
-run_backend() {
-  local backend=$1 began=$SECONDS
-  shift
+# The newest Keras's subset (every strategy on every backend).
+NEXT_TESTS=(
+  tests/test_parity.py tests/test_feature_matrix.py
+  tests/test_model_parallel.py tests/test_checkpoint.py
+  tests/test_checkpoint_process.py tests/test_multi_worker.py
+  tests/test_central_storage.py tests/test_tpu.py
+  tests/test_parameter_server.py tests/test_contract.py
+  tests/torch/test_torch_parity_fast.py tests/torch/test_torch_features.py
+  tests/torch/test_torch_keras_trainer.py
+  tests/torch/test_torch_model_parallel.py
+  tests/torch/test_torch_checkpoint.py
+)
+
+# run PYTHON LABEL BACKEND [PYTEST ARGS...] (default: every test).
+run() {
+  local python=$1 label=$2 backend=$3 began=$SECONDS
+  shift 3
   [ "$#" -gt 0 ] || set -- tests
-  echo "=== KERAS_BACKEND=$backend $* ==="
+  note "start: $label KERAS_BACKEND=$backend"
+  echo "=== $label KERAS_BACKEND=$backend $* ==="
   # shellcheck disable=SC2086
-  KERAS_BACKEND="$backend" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  KERAS_BACKEND="$backend" "$python" -m pytest -q -p no:cacheprovider \
     --durations=15 "$@" ${KERAS_DIST_PYTEST_ARGS:-}
   local rc=$?
-  echo "=== KERAS_BACKEND=$backend $*: exit $rc after $((SECONDS - began)) s ==="
+  echo "=== $label KERAS_BACKEND=$backend: exit $rc after" \
+    "$((SECONDS - began)) s ==="
+  note "end: $label KERAS_BACKEND=$backend: exit $rc after" \
+    "$((SECONDS - began)) s"
   # 5 means "no tests collected", which is not a failure of that backend.
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then return "$rc"; fi
   return 0
 }
 
+MATRIX=tests/test_feature_matrix.py
+LAYOUTS=tests/torch/test_torch_model_parallel.py
+PINNED=("$VENV/bin/python" "keras-pinned")
+NEWEST=("$NEXT_VENV/bin/python" "keras-next")
+
+lane_a() {
+  local s=0
+  run "${PINNED[@]}" tensorflow || s=1
+  run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" || s=1
+  if [ "$NEXT" = "1" ]; then
+    run "${NEWEST[@]}" tensorflow "${NEXT_TESTS[@]}" || s=1
+  fi
+  return $s
+}
+
+lane_b() {
+  local s=0
+  run "${PINNED[@]}" jax || s=1
+  run "${PINNED[@]}" torch tests --ignore="$MATRIX" --ignore="$LAYOUTS" || s=1
+  if [ "$NEXT" = "1" ]; then
+    run "${NEWEST[@]}" jax "${NEXT_TESTS[@]}" || s=1
+    run "${NEWEST[@]}" torch "${NEXT_TESTS[@]}" || s=1
+  fi
+  return $s
+}
+
 status=0
 if [ "${KERAS_DIST_LANES:-2}" = "1" ]; then
-  for backend in jax tensorflow torch; do
-    run_backend "$backend" || status=1
-  done
+  lane_a || status=1
+  lane_b || status=1
 else
-  # Measured on 2 December 2026: TensorFlow 2018 s then torch's feature
-  # matrix and layout tests 350 s (2368 s) beside JAX 1199 s then the rest
-  # of torch 1035 s (2234 s); on 4 December, a faster machine: 951 + 242
-  # beside 635 + 620 s.
-  MATRIX=tests/test_feature_matrix.py
-  LAYOUTS=tests/torch/test_torch_model_parallel.py
-  { run_backend tensorflow; a=$?; run_backend torch "$MATRIX" "$LAYOUTS"
-    b=$?; exit $((a || b)); } >"$LOGS/tensorflow.log" 2>&1 &
-  tf_pid=$!
-  { run_backend jax; a=$?
-    run_backend torch tests --ignore="$MATRIX" --ignore="$LAYOUTS"; b=$?
-    exit $((a || b)); } >"$LOGS/jax_torch.log" 2>&1 &
-  other_pid=$!
-  wait "$other_pid" || status=1
-  cat "$LOGS/jax_torch.log"
-  wait "$tf_pid" || status=1
-  cat "$LOGS/tensorflow.log"
+  lane_a >"$LOGS/a.log" 2>&1 &
+  a_pid=$!
+  lane_b >"$LOGS/b.log" 2>&1 &
+  b_pid=$!
+  wait "$b_pid" || status=1
+  cat "$LOGS/b.log"
+  wait "$a_pid" || status=1
+  cat "$LOGS/a.log"
 fi
-echo "=== all backends: $((SECONDS - start)) s (exit $status) ==="
+echo "=== all checks: $((SECONDS - start)) s (exit $status) ==="
 exit "$status"
