@@ -541,7 +541,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "global_step": self._global_step,
             "steps_per_epoch": (self.params or {}).get("steps"),
         }
-        if count is not None:  # a tf.data input
+        if count is not None:  # a tf.data input, or arrays counting epochs
             position["input_iterators"] = count
         path = self.manager.save(
             self.model,

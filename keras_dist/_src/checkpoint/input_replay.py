@@ -13,7 +13,12 @@ restored global generators (`state.capture_rng`) do not cover:
   dataset's seeds then stand where the interrupted run's stood;
 * a torch `DataLoader` given a ``generator=`` of its own draws its shuffle
   (and its workers' base seed) from that generator: a backup holds its
-  state when the saved epoch began, and the resumed run sets it back.
+  state when the saved epoch began, and the resumed run sets it back;
+* arrays (NumPy, tensors) under Keras 3.16 and later: Keras's adapter
+  draws each epoch's shuffle from a count of the epochs it has seen (not
+  from the global generators), which starts again at each `fit`: a backup
+  holds the count when the saved epoch began, and the resumed run sets it
+  back.
 
 The iterators are counted where they are made, which differs:
 
@@ -56,10 +61,13 @@ class InputPosition:
         self._make = None  # makes (and drops) one tf.data iterator
         self._generators = []  # torch generators of DataLoaders
         self._states_at_epoch_begin = {}
+        self._counters = []  # adapters counting epochs (Keras 3.16+)
+        self._counts_at_epoch_begin = []
         if epoch_iterator is None or getattr(
             epoch_iterator, "steps_per_epoch", None
         ):
             return
+        self._counters = glue.input_epoch_counters(epoch_iterator)
         sources = glue.epoch_iterator_inputs(epoch_iterator)
         self._generators = _loader_generators(sources)
         datasets = [s for s in sources if glue.is_tf_dataset(s)]
@@ -102,6 +110,10 @@ class InputPosition:
         if self._per_epoch:
             self._made += 1  # the epoch's generator makes one when read
         self._states_at_epoch_begin = self._generator_states()
+        self._counts_at_epoch_begin = self._counts()
+
+    def _counts(self) -> list:
+        return [glue.input_epoch(a) for a in self._counters]
 
     def saved(self, mid_epoch: bool):
         """What a backup records, as of the saved epoch's start
@@ -110,11 +122,16 @@ class InputPosition:
         DataLoaders' generator states (arrays by index)."""
         if mid_epoch:
             made, states = self.at_epoch_begin, self._states_at_epoch_begin
+            counts = self._counts_at_epoch_begin
         else:
             made, states = self.made, self._generator_states()
+            counts = self._counts()
         count = None
         if self._make is not None:
             count = {"backend": self.backend, "made": made}
+        if counts:
+            count = {"backend": self.backend, **(count or {})}
+            count["adapter_epochs"] = list(counts)
         return count, dict(states)
 
     def replay(self, saved, arrays) -> None:
@@ -122,6 +139,10 @@ class InputPosition:
         interrupted run had made (`saved`: the count of `InputPosition.saved`;
         none across backends, a different computation anyway) and sets
         the DataLoaders' generators to their saved states (`arrays`)."""
+        counts = (saved or {}).get("adapter_epochs")
+        if counts and len(counts) == len(self._counters):
+            for adapter, count in zip(self._counters, counts):
+                glue.set_input_epoch(adapter, count)
         if self._make is not None and saved:
             if saved.get("backend") == self.backend:
                 target = int(saved.get("made", 0))

@@ -652,6 +652,32 @@ def stack_steps(iterator, steps: int):
     )
 
 
+def input_epoch_counters(iterator) -> list:
+    """The data adapters behind an epoch iterator (through keras_dist's
+    adapters that wrap another as ``inner``) that draw their shuffle from
+    a count of epochs of their own (Keras 3.16's private
+    `ArrayDataAdapter._epoch`, which `on_epoch_end` increments): a resumed
+    `fit` must set the count back to draw the interrupted epoch's order."""
+    adapter = getattr(iterator, "data_adapter", None)
+    found, seen = [], set()
+    while adapter is not None and id(adapter) not in seen:
+        seen.add(id(adapter))
+        if isinstance(adapter.__dict__.get("_epoch"), int):
+            found.append(adapter)
+        adapter = getattr(adapter, "inner", None)
+    return found
+
+
+def input_epoch(adapter) -> int:
+    """An adapter's private epoch count (see `input_epoch_counters`)."""
+    return int(adapter._epoch)
+
+
+def set_input_epoch(adapter, epoch: int) -> None:
+    """Sets an adapter's private epoch count (see `input_epoch_counters`)."""
+    adapter._epoch = int(epoch)
+
+
 def get_data_adapter(**kwargs):
     """Keras's private `data_adapters.get_data_adapter`: the adapter `fit`
     would make for these arguments."""
