@@ -31,6 +31,7 @@ from keras_dist._src.cluster.supervision import (
     describe_exit,
     exit_status,
     log,
+    stop_processes,
 )
 
 #: The exit code of a job ended by the hang timeout (as ``timeout(1)``).
@@ -44,6 +45,11 @@ STARTUP_FACTOR = 10
 #: ... and at least this many seconds.
 STARTUP_MIN_S = 300.0
 POLL_S = 0.2
+#: Seconds between SIGTERM and SIGKILL for the other workers after a
+#: failure when a restart may follow: they cannot save without the failed
+#: worker (a checkpoint is complete or invisible, so a kill is safe), and
+#: each second is a second of the restart.
+RESTART_STOP_GRACE_S = 3.0
 #: Exits that come from outside the script (a kill, a preemption): never
 #: taken for a bug, however often they repeat.
 _OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
@@ -275,6 +281,8 @@ def _supervise(procs, board, policy, signalled) -> Outcome:
                     "the other workers of this node."
                 )
                 position = board.position(rank) if board else None
+                if policy.max_restarts:
+                    stop_processes(procs.values(), RESTART_STOP_GRACE_S)
                 return Outcome(
                     exit_status(code), "failed", rank, code, position
                 )
