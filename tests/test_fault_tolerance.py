@@ -265,3 +265,66 @@ def test_repeat_rule_counts_only_the_scripts_own_failures():
     )
     assert not restarts._repeated(bug, later)
     assert bug.describe() == "worker rank 0 exited with code 1 at step 12"
+
+
+# Workers without a backend (about 0.1 s to start): the restart rules for
+# a preemption and for a stop asked of the launcher itself.
+_PLAIN_WORKER = """
+import os, sys, time
+rank, mode = int(os.environ["RANK"]), sys.argv[1]
+restart = int(os.environ["KERAS_DIST_RESTART_COUNT"])
+print(f"attempt {restart} progress {os.environ.get('KERAS_DIST_PROGRESS_DIR')}",
+      flush=True)
+if mode == "preempted-once" and restart == 0 and rank == 1:
+    sys.exit(75)
+if mode == "wait":
+    open(os.path.join(sys.argv[2], f"ready{restart}-{rank}"), "w").close()
+    time.sleep(60)
+time.sleep(0.5)
+"""
+
+
+@pytest.mark.multi_process
+@pytest.mark.skipif(
+    BACKEND != "jax", reason="backend-neutral: run in one lane only"
+)
+def test_preemption_restarts_but_a_stop_asked_of_the_launcher_does_not(
+    tmp_path,
+):
+    script = tmp_path / "worker.py"
+    script.write_text(_PLAIN_WORKER)
+    command = [sys.executable, "-m", "keras_dist.launch"]
+    command += ["--nproc-per-node", "2", "--max-restarts", "2"]
+    command += ["--restart-backoff", "0", str(script)]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [*command, "preempted-once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "workers stopped for preemption (exit 75); restart 1 of 2" in log
+    assert "[rank 0] attempt 1 progress " in log
+    assert "attempt 0 progress None" not in log  # reports were asked for
+    assert "attempt 2" not in log
+
+    # SIGTERM to the launcher: forwarded, and no restart.
+    proc = subprocess.Popen(
+        [*command, "wait", str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("ready0-*"))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + 15, out
+    assert "not restarting: the launcher got SIGTERM" in out
+    assert "attempt 1" not in out
