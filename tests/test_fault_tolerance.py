@@ -194,7 +194,8 @@ def test_hung_rank_ends_the_job_with_stacks_and_its_name(tmp_path):
     # Ended within the timeout, the stack wait and slack for 2 cores.
     ended = time.time()
     assert ended - fault < 3 + restarts.STACK_WAIT_S + 15, log[-4000:]
-    assert "rank 1 made no progress for" in log, log[-4000:]
+    assert "no progress for" in log, log[-4000:]
+    assert "rank 1 is behind, at step 3. Where each rank was" in log
     assert "rank 1 at step 3" in log and "rank 0 at step 4" in log
     # Both ranks' stacks, the sleeping callback in rank 1's.
     assert re.search(r"\[rank 1\] .*in sleep_in_step_on_rank_1", log), log
@@ -277,6 +278,21 @@ print(f"attempt {restart} progress {os.environ.get('KERAS_DIST_PROGRESS_DIR')}",
       flush=True)
 if mode == "preempted-once" and restart == 0 and rank == 1:
     sys.exit(75)
+if mode == "hang":  # steps 1..3 on rank 0, 1..2 on rank 1, then stuck
+    import importlib.util  # the module alone: keras_dist imports Keras
+    spec = importlib.util.spec_from_file_location("progress", sys.argv[2])
+    progress = sys.modules["progress"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(progress)
+    progress.register_stack_dump()
+    writer = progress.ProgressWriter(os.environ["KERAS_DIST_PROGRESS_DIR"],
+                                     rank)
+    for step in range(1, 4 - rank):
+        writer.report("train", 0, step - 1, step)
+
+    def stuck_in_a_collective():
+        time.sleep(60)
+
+    stuck_in_a_collective()
 if mode == "wait":
     open(os.path.join(sys.argv[2], f"ready{restart}-{rank}"), "w").close()
     time.sleep(60)
@@ -328,3 +344,36 @@ def test_preemption_restarts_but_a_stop_asked_of_the_launcher_does_not(
     assert proc.returncode == 128 + 15, out
     assert "not restarting: the launcher got SIGTERM" in out
     assert "attempt 1" not in out
+
+
+@pytest.mark.multi_process
+@pytest.mark.skipif(
+    BACKEND != "jax", reason="backend-neutral: run in one lane only"
+)
+def test_a_hang_restarts_and_a_second_hang_at_that_step_stops(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_PLAIN_WORKER)
+    command = [sys.executable, "-m", "keras_dist.launch"]
+    command += ["--nproc-per-node", "2", "--max-restarts", "3"]
+    command += ["--restart-backoff", "0", "--hang-timeout", "1"]
+    proc = subprocess.run(
+        [*command, str(script), "hang", progress.__file__],
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == restarts.HANG_EXIT_CODE, log
+    assert "rank 1 is behind, at step 2" in log
+    assert "rank 0 is behind" not in log
+    assert "worker rank 1 hung at step 2; restart 1 of 3" in log
+    assert (
+        "worker rank 1 hung twice at step 2 (hang timeout, exit 124): "
+        "that looks like a bug" in log
+    ), log
+    for rank in (0, 1):
+        assert f"[rank {rank}]   File" in log  # each rank's stack, twice
+        assert log.count(f"[rank {rank}] Current thread") == 2, log
+    assert "in stuck_in_a_collective" in log
+    assert "attempt 2" not in log

@@ -305,8 +305,39 @@ def _hung(procs, board, stalled, policy) -> Outcome:
     """Dumps every worker's stacks, names the worker(s) behind, stops
     every worker (SIGKILL: a hung worker cannot save) and returns the
     attempt's outcome."""
-    lowest = min(_key(board.position(r)) for r in stalled)
-    behind = [r for r in stalled if _key(board.position(r)) == lowest]
+    # In a synchronous job the others soon wait for the rank behind, and
+    # the one that stalled first may be one that went ahead: name the
+    # rank(s) at the lowest step among all still in `fit`.
+    watched = [
+        r
+        for r in procs
+        if board.position(r) is None or board.position(r).state != "done"
+    ]
+    lowest = min(_key(board.position(r)) for r in watched)
+    behind = [r for r in watched if _key(board.position(r)) == lowest]
+    first = board.position(behind[0])
+    names = ", ".join(f"rank {r}" for r in behind)
+    if first is not None and first.state == "train":
+        idle = max(board.idle(r) for r in stalled)
+        head = (
+            f"no progress for {idle:.1f} s (hang timeout "
+            f"{policy.hang_timeout:g} s, --hang-timeout or "
+            f"{progress.ENV_HANG_TIMEOUT}): {names} "
+            f"{'is' if len(behind) == 1 else 'are'} behind, "
+            f"{_described(first)}"
+        )
+    else:
+        head = (
+            f"{names} did not finish a first training step within the "
+            f"start-up timeout of {policy.startup:g} s (--startup-timeout "
+            f"or {progress.ENV_STARTUP_TIMEOUT}; progress is reported by "
+            "`model.fit` under a keras_dist strategy only)"
+        )
+    where = "; ".join(
+        f"rank {rank} {_described(board.position(rank))} (last report "
+        f"{board.idle(rank):.1f} s ago)"
+        for rank in sorted(procs)
+    )
     for proc in procs.values():
         if proc.poll() is None:
             try:
@@ -314,30 +345,8 @@ def _hung(procs, board, stalled, policy) -> Outcome:
             except ProcessLookupError:
                 pass
     time.sleep(STACK_WAIT_S)  # the stacks come through the output pumps
-    first = board.position(behind[0])
-    started = first is not None and first.state == "train"
-    if started:
-        why = (
-            f"made no progress for {board.idle(behind[0]):.1f} s (hang "
-            f"timeout {policy.hang_timeout:g} s, --hang-timeout or "
-            f"{progress.ENV_HANG_TIMEOUT})"
-        )
-    else:
-        why = (
-            f"did not finish its first training step within the start-up "
-            f"timeout of {policy.startup:g} s (--startup-timeout or "
-            f"{progress.ENV_STARTUP_TIMEOUT}; progress is reported by "
-            "`model.fit` under a keras_dist strategy only)"
-        )
-    names = ", ".join(f"rank {r}" for r in behind)
-    verb = "each " + why if len(behind) > 1 else why
-    where = "; ".join(
-        f"rank {rank} {_described(board.position(rank))} (last report "
-        f"{board.idle(rank):.1f} s ago)"
-        for rank in sorted(procs)
-    )
     log(
-        f"{names} {verb}. Where each rank was: {where}. Every rank's Python "
+        f"{head}. Where each rank was: {where}. Every rank's Python "
         f"stack is above ({progress.STACK_SIGNAL.name}). Stopping the job "
         f"with code {HANG_EXIT_CODE}."
     )
