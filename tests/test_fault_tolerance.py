@@ -377,3 +377,34 @@ def test_a_hang_restarts_and_a_second_hang_at_that_step_stops(tmp_path):
         assert log.count(f"[rank {rank}] Current thread") == 2, log
     assert "in stuck_in_a_collective" in log
     assert "attempt 2" not in log
+
+
+def test_fit_reports_its_progress_to_the_launchers_directory(
+    tmp_path, monkeypatch
+):
+    # In this process: what a worker of `keras-dist launch` writes.
+    import keras_dist
+
+    monkeypatch.setenv(progress.ENV_PROGRESS_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((tmp_path / "rank-3").read_text().split()[:4])
+
+    strategy = keras_dist.OneDeviceStrategy("cpu:0")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+    x = np.zeros((32, 4), "float32")
+    model.fit(
+        x, x[:, :2], batch_size=8, epochs=2, verbose=0, callbacks=[Look()]
+    )
+    # Each batch end of the user's callback sees the step before (the
+    # report comes after it); the end of fit says "done".
+    assert seen[0] == ["start", "0", "-1", "-1"]
+    assert seen[1] == ["train", "0", "0", "1"]
+    assert seen[4] == ["train", "0", "3", "4"]  # epoch 2's first batch
+    final = progress.Position.parse((tmp_path / "rank-3").read_text())
+    assert final == progress.Position("done", 1, 3, 8)

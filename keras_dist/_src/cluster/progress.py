@@ -23,6 +23,7 @@ import dataclasses
 import faulthandler
 import os
 import signal
+import threading
 import time
 
 ENV_PROGRESS_DIR = "KERAS_DIST_PROGRESS_DIR"
@@ -101,14 +102,23 @@ class ProgressWriter:
     """
 
     def __init__(self, directory: str, rank: int):
+        self.directory = directory
         self.path = os.path.join(directory, f"rank-{rank}")
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         self._beats = 0
         self._fields = ("start", 0, -1, -1)
+        # Keras may run batch ends on a thread of its own (async dispatch).
+        self._lock = threading.Lock()
 
     def report(self, state=None, epoch=None, batch=None, step=None) -> None:
         """Writes the position, with the given fields changed; every
         call changes the file (a heartbeat counter)."""
+        with self._lock:
+            self._report(state, epoch, batch, step)
+
+    def _report(self, state, epoch, batch, step) -> None:
+        if self._fd is None:
+            return
         old = self._fields
         self._fields = (
             old[0] if state is None else state,
@@ -125,9 +135,10 @@ class ProgressWriter:
 
     def close(self) -> None:
         """Closes the file (it stays for the launcher to read)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 _stack_dump_registered = False

@@ -100,7 +100,9 @@ def add_progress_report(method, args, kwargs, rank):
                 stacklevel=3,
             )
         return args, kwargs
-    if _writer is None:
+    if _writer is None or _writer.directory != directory:
+        if _writer is not None:
+            _writer.close()
         # The launcher's rank (its file names), where it set one.
         rank = int(os.environ.get("RANK", rank))
         _writer = progress.ProgressWriter(directory, rank)
