@@ -176,9 +176,13 @@ def test_failure_at_the_same_step_twice_stops_restarts(tmp_path):
     assert "RuntimeError: a bug at step 5" in log
     assert "restart 1 of 3" in log
     assert "restart 2 of 3" not in log
-    assert (
-        "worker rank 1 failed twice at step 4 (exit 1): that looks like a "
-        "bug in the script, not a fault; not restarting" in log
+    # Rank 1 fails; under load torch's rank 0, stopped by rank 1's
+    # reported failure, may exit first: either is named, the step is the
+    # last one both finished.
+    assert re.search(
+        r"rank [01]\)? failed twice at step 4 \(exit 1\): that looks like "
+        r"a bug in the script, not a fault; not restarting",
+        log,
     ), log[-4000:]
     assert "[rank 1] attempt 2 started" not in log
     print(f"\nFT-FIGURE {BACKEND} repeated bug: job {took:.1f} s")

@@ -210,8 +210,14 @@ def run(start_attempt, policy: RestartPolicy, ranks) -> int:
                 return outcome.code
             if _repeated(previous, outcome):
                 what = "hung" if outcome.kind == "hung" else "failed"
+                who = f"worker rank {outcome.rank}"
+                if previous.rank != outcome.rank:
+                    who = (
+                        f"workers (rank {previous.rank}, then rank "
+                        f"{outcome.rank})"
+                    )
                 log(
-                    f"worker rank {outcome.rank} {what} twice "
+                    f"{who} {what} twice "
                     f"{outcome.where()} ({_exit_words(outcome)}): that "
                     "looks like a bug in the script, not a fault; not "
                     f"restarting. Exiting with code {outcome.code}."
@@ -280,7 +286,7 @@ def _supervise(procs, board, policy, signalled) -> Outcome:
                     f"worker rank {rank} {describe_exit(code)}; stopping "
                     "the other workers of this node."
                 )
-                position = board.position(rank) if board else None
+                position = _job_position(board, procs)
                 if policy.max_restarts:
                     stop_processes(procs.values(), RESTART_STOP_GRACE_S)
                 return Outcome(
@@ -299,6 +305,20 @@ def _supervise(procs, board, policy, signalled) -> Outcome:
 
 def _key(position) -> tuple:
     return (-1, -1) if position is None else position.where()
+
+
+def _job_position(board, ranks):
+    """The lowest position any rank reported (None: none reported): the
+    last step every rank finished. Which rank the launcher sees fail
+    first depends on timing (a rank stopped by another's failure may exit
+    first under load); this step does not."""
+    if board is None:
+        return None
+    positions = [board.position(r) for r in ranks]
+    if all(p is None for p in positions):
+        return None
+    lowest = min(positions, key=_key)
+    return lowest or progress.Position("start", 0, -1, -1)
 
 
 def _hung(procs, board, stalled, policy) -> Outcome:
@@ -353,9 +373,7 @@ def _hung(procs, board, stalled, policy) -> Outcome:
     for proc in procs.values():
         if proc.poll() is None:
             proc.kill()
-    return Outcome(
-        HANG_EXIT_CODE, "hung", behind[0], None, board.position(behind[0])
-    )
+    return Outcome(HANG_EXIT_CODE, "hung", behind[0], None, first)
 
 
 def _described(position) -> str:
