@@ -94,5 +94,11 @@ else:
 
     _apply_env()
     del _apply_env
+    # A worker of `keras-dist launch` that reports progress dumps its
+    # stacks when the launcher finds it hung (cluster/progress.py).
+    from keras_dist._src.cluster.progress import register_stack_dump
+
+    register_stack_dump()
+    del register_stack_dump
     _check_keras_version()
     del _check_keras_version

@@ -564,8 +564,13 @@ def main(argv=None) -> int:
             "set (and TF_CONFIG on TensorFlow). Prefixes output lines with "
             "the rank, forwards SIGINT/SIGTERM/SIGUSR1, and exits non-zero "
             "(the failed worker's code) when any worker fails, stopping the "
-            "rest. With --ps N --workers M: a whole ParameterServerStrategy "
-            "job on this host (TensorFlow; guides/parameter_server.md)."
+            "rest. --max-restarts N starts the node's workers again after "
+            "a failure, kill, hang or preemption (BackupAndRestore resumes "
+            "at the saved step); --hang-timeout ends a job that stops "
+            "making progress, with every worker's stack "
+            "(guides/fault_tolerance.md). With --ps N --workers M: a whole "
+            "ParameterServerStrategy job on this host (TensorFlow; "
+            "guides/parameter_server.md)."
         ),
     )
     node_launcher.add_arguments(launch)

@@ -18,7 +18,10 @@ def main(argv=None) -> int:
     """Parses ``argv`` and runs the workers; returns the exit code."""
     parser = argparse.ArgumentParser(
         prog="keras-dist launch",
-        description="Start the workers of this node (torchrun-style).",
+        description="Start the workers of this node (torchrun-style); "
+        "restart them after a failure (--max-restarts) and end a hung job "
+        "with every worker's stack (--hang-timeout): see "
+        "guides/fault_tolerance.md.",
     )
     node_launcher.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -12,6 +12,11 @@ for the others and exits with that code, so a scheduler can requeue.
 Workers die with the launcher, also when it is killed with SIGKILL (the
 OOM killer, ``timeout -s KILL``): see `launcher.spawn`.
 
+``--max-restarts N`` starts the node's workers again after a failure, a
+kill or a preemption (up to N times), and ``--hang-timeout`` ends a job
+whose training stops making progress, with every worker's stack: see
+`restarts` and guides/fault_tolerance.md.
+
 ``--ps N --workers M`` starts a whole parameter-server job on this host
 instead (`parameter_server.launch_ps`).
 """
@@ -23,18 +28,12 @@ import dataclasses
 import json
 import os
 
+from keras_dist._src.cluster import progress, restarts
 from keras_dist._src.cluster.launcher import (
     ENV_LAUNCHED,
     free_port,
     run_supervised,
     script_command,
-)
-from keras_dist._src.cluster.supervision import (
-    PREEMPTION_EXIT_CODE,
-    describe_exit,
-    exit_status,
-    log,
-    watch_processes,
 )
 
 
@@ -53,6 +52,37 @@ class LaunchConfig:
     #: ``--ps N``: a parameter-server job (`parameter_server.launch_ps`).
     ps: int = 0
     workers: int | None = None
+    #: ``--max-restarts``, ``--restart-backoff``, ``--hang-timeout``,
+    #: ``--startup-timeout`` (`restarts.RestartPolicy`).
+    max_restarts: int = 0
+    restart_backoff: float = 1.0
+    hang_timeout: float | None = None
+    startup_timeout: float | None = None
+
+    def policy(self) -> restarts.RestartPolicy:
+        """The restart and hang settings, with ``KERAS_DIST_HANG_TIMEOUT``
+        and ``KERAS_DIST_STARTUP_TIMEOUT`` where no option gives them.
+
+        Raises:
+            ValueError: for a setting that is not a positive number.
+        """
+        hang = self.hang_timeout
+        if hang is None:
+            hang = progress.positive_seconds(
+                progress.ENV_HANG_TIMEOUT,
+                os.environ.get(progress.ENV_HANG_TIMEOUT),
+            )
+        startup = self.startup_timeout
+        if startup is None:
+            startup = progress.positive_seconds(
+                progress.ENV_STARTUP_TIMEOUT,
+                os.environ.get(progress.ENV_STARTUP_TIMEOUT),
+            )
+        policy = restarts.RestartPolicy(
+            self.max_restarts, self.restart_backoff, hang, startup
+        )
+        policy.check()
+        return policy
 
     def check(self) -> None:
         """Raises ValueError for options that cannot start a job."""
@@ -82,11 +112,31 @@ class LaunchConfig:
                 "--master-port is needed with --nnodes > 1: every node must "
                 "use the same port on the master (node 0)."
             )
+        if self.max_restarts and (self.nnodes > 1 or self.ps):
+            raise ValueError(
+                "--max-restarts restarts the workers of one node "
+                "(--nnodes 1) for now: with several nodes each launcher "
+                "would restart on its own and meet a stale rendezvous, "
+                "and a --ps job is not restarted. Let the scheduler "
+                "requeue the job (exit code 75 after a preemption) "
+                "instead; see guides/fault_tolerance.md."
+            )
+        policy = self.policy()
+        if self.ps and policy.startup is not None:
+            raise ValueError(
+                "--hang-timeout does not watch a --ps job (its workers "
+                "run closures, not `fit` steps)."
+            )
 
 
-def worker_environments(config: LaunchConfig, base=None) -> list[dict]:
-    """The environment of each local worker (without starting any)."""
+def worker_environments(
+    config: LaunchConfig, base=None, extra=None
+) -> list[dict]:
+    """The environment of each local worker (without starting any):
+    `base` (default: this process's) with `extra` and the job's
+    variables."""
     base = dict(os.environ if base is None else base)
+    base.update(extra or {})
     port = config.master_port or free_port(config.master_addr)
     world = config.nnodes * config.nproc_per_node
     tf_config = None
@@ -148,7 +198,8 @@ def _configured_backend() -> str:
 
 def launch(config: LaunchConfig) -> int:
     """Starts this node's workers, supervises them and returns the exit
-    code: 0 when all succeed, else the first failure's code."""
+    code: 0 when all succeed, else the first failure's code (after the
+    restarts `config` allows; see `restarts.run`)."""
     config.check()
     if config.ps:
         from keras_dist._src.cluster.parameter_server import launch_ps
@@ -156,36 +207,22 @@ def launch(config: LaunchConfig) -> int:
         return launch_ps(
             config.command, config.workers, config.ps, config.master_addr
         )
-    tasks = [
-        (int(env["RANK"]), f"[rank {env['RANK']}] ", env)
-        for env in worker_environments(config)
+    command = script_command(config.command)
+    ranks = [
+        config.node_rank * config.nproc_per_node + local
+        for local in range(config.nproc_per_node)
     ]
-    return run_supervised(script_command(config.command), tasks, _supervise)
 
+    def start_attempt(extra_env, supervise):
+        # Fresh environments each attempt: new free ports, a fresh
+        # rendezvous (the previous workers are all stopped).
+        tasks = [
+            (int(env["RANK"]), f"[rank {env['RANK']}] ", env)
+            for env in worker_environments(config, extra=extra_env)
+        ]
+        return run_supervised(command, tasks, supervise)
 
-def _supervise(procs: dict) -> int:
-    """Waits for the workers: the first failure's exit code (the others
-    are then stopped), else 0, or `PREEMPTION_EXIT_CODE` when some stopped
-    for preemption."""
-    preempted = set()
-
-    def decide(codes):
-        for rank, code in codes.items():
-            if code == PREEMPTION_EXIT_CODE:
-                # Saved and stopped for preemption: not a failure. The
-                # other workers agreed on the same step and finish too.
-                preempted.add(rank)
-            elif code not in (None, 0):
-                log(
-                    f"worker rank {rank} {describe_exit(code)}; stopping "
-                    "the other workers of this node."
-                )
-                return exit_status(code)
-        if None not in codes.values():
-            return PREEMPTION_EXIT_CODE if preempted else 0
-        return None
-
-    return watch_processes(procs, decide, 0.2)
+    return restarts.run(start_attempt, config.policy(), ranks)
 
 
 def add_arguments(parser) -> None:
@@ -216,6 +253,45 @@ def add_arguments(parser) -> None:
         metavar="M",
         help="worker tasks of a --ps job",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a worker fails, is killed, hangs or is preempted, stop "
+        "this node's workers and start them all again, up to N times "
+        "(default 0); workers see KERAS_DIST_RESTART_COUNT, and "
+        "BackupAndRestore resumes at the saved step. Two failures in a "
+        "row at the same step stop the restarts (a bug, not a fault)",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait before the first restart (default 1), doubled at each "
+        f"restart, at most {restarts.BACKOFF_CAP_S:g}",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end the job (code 124) when a worker's fit makes no "
+        "progress for this long after its first step, with every "
+        "worker's Python stack and the rank(s) behind named (default: "
+        "KERAS_DIST_HANG_TIMEOUT, else off)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the same before a worker's first step (compilation); "
+        f"default: KERAS_DIST_STARTUP_TIMEOUT, else "
+        f"{restarts.STARTUP_FACTOR} hang timeouts, at least "
+        f"{restarts.STARTUP_MIN_S:g} s",
+    )
     parser.add_argument("script", help="the training script (or program)")
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="its arguments"
@@ -234,4 +310,8 @@ def config_from_args(args) -> LaunchConfig:
         cpu_devices_per_process=args.cpu_devices_per_process,
         ps=args.ps,
         workers=args.workers,
+        max_restarts=getattr(args, "max_restarts", 0),
+        restart_backoff=getattr(args, "restart_backoff", 1.0),
+        hang_timeout=getattr(args, "hang_timeout", None),
+        startup_timeout=getattr(args, "startup_timeout", None),
     )

@@ -34,6 +34,7 @@ from keras_dist._src.keras_glue.callbacks import (
     add_stop_agreement,
     gate_call_arguments,
 )
+from keras_dist._src.keras_glue.progress import add_progress_report
 
 _WRAPPED_METHODS = (
     "fit",
@@ -316,7 +317,8 @@ def _in_scope(method, strategy, name):
         from keras_dist._src.context import current_call
 
         runtime = strategy.runtime
-        outer = current_call() is None and runtime.world_size > 1
+        top = current_call() is None
+        outer = top and runtime.world_size > 1
         if outer and runtime.has_key_values:
             supervision.agree_on_call(runtime, name)
         with strategy._call_scope(name):
@@ -331,6 +333,12 @@ def _in_scope(method, strategy, name):
                 kwargs,
                 saving_is_collective=reads_collectively(strategy),
             )
+            if name == "fit" and top:
+                # Before the stop agreement's collective: a rank stuck in
+                # a callback is then the one whose report is behind.
+                args, kwargs = add_progress_report(
+                    method, args, kwargs, runtime.rank
+                )
             if name == "fit" and outer:
                 args, kwargs = add_stop_agreement(method, args, kwargs, runtime)
             try:
