@@ -168,6 +168,23 @@ def symbolic_build_in(model, scope) -> None:
     model.__dict__["_symbolic_build"] = symbolic_build
 
 
+def in_symbolic_scope() -> bool:
+    """Keras's private `in_symbolic_scope`: whether Keras is inferring
+    shapes (`compute_output_spec`), not computing values."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def current_path() -> str:
+    """Keras's private `current_path`: the name scopes open now, joined by
+    "/" (inside a layer's call: the path that Keras gives its output
+    layout, less ``"/output"``)."""
+    from keras.src.backend.common.name_scope import current_path
+
+    return current_path()
+
+
 def variable_layout(variable):
     """Keras's private `Variable._layout`: the backend layout the variable
     was created with under a distribution (a JAX `NamedSharding`), or
