@@ -193,6 +193,13 @@ class LayoutMap(collections.abc.MutableMapping):
     otherwise silently replicate everything); pass
     ``allow_unmatched=True`` to allow it.
 
+    A key ending in ``"/output"`` (Keras's convention, e.g.
+    ``"dense.*/output"``) lays out the output of each layer whose call path
+    (the layer's name, after those of the models and layers that call it)
+    plus ``"/output"`` matches it, inside the step; it applies to layer
+    outputs only, and the other keys to variables only (Keras would also
+    apply a variable key to an output whose path it matches).
+
     Args:
         device_mesh: a `DeviceMesh` (ours or `keras.distribution`'s).
         allow_unmatched: accept keys that match no variable.
@@ -248,10 +255,16 @@ class LayoutMap(collections.abc.MutableMapping):
         """
         if path in self._layouts:
             return path
-        keys = [k for k in self._layouts if re.fullmatch(k, path)]
+        output = is_output_path(path)
+        keys = [
+            k
+            for k in self._layouts
+            if is_output_path(k) == output and re.fullmatch(k, path)
+        ]
         if len(keys) > 1:
+            what = "Layer output path" if output else "Variable path"
             raise LayoutError(
-                f"Variable path {path!r} matches several LayoutMap keys: "
+                f"{what} {path!r} matches several LayoutMap keys: "
                 f"{keys}. Make the keys specific enough that each path "
                 "matches at most one."
             )
@@ -268,6 +281,45 @@ class LayoutMap(collections.abc.MutableMapping):
 
     def __repr__(self):
         return f"LayoutMap({self.device_mesh!r}, {dict(self._layouts)!r})"
+
+
+#: What ends a LayoutMap key for layer outputs, and the path of a layer's
+#: output (Keras's convention: ``layout_map["dense.*/output"] = ...``).
+OUTPUT_SUFFIX = "/output"
+
+
+def is_output_path(path: str) -> bool:
+    """Whether `path` (a LayoutMap key or a path looked up) names a layer's
+    output (ends in ``"/output"``), not a variable."""
+    return path.endswith(OUTPUT_SUFFIX)
+
+
+def layer_output_paths(model, flatten) -> list[str]:
+    """Every path that a layer's output of `model` may have at call time
+    (Keras's ``current_path() + "/output"``): for each layer, its name
+    after any run of the names of the layers and models that contain it
+    (a functional model's call adds no name of its own; a subclassed
+    model's does).
+
+    Args:
+        model: a Keras model.
+        flatten: ``flatten(layer)`` lists every layer inside `layer`,
+            nested ones included.
+    """
+    inside = {id(model): {id(x) for x in flatten(model)}}
+    layers = [model] + list(flatten(model))
+    for layer in layers[1:]:
+        inside[id(layer)] = {id(x) for x in flatten(layer)}
+    out = []
+    for layer in layers:
+        outer = sorted(
+            (p for p in layers if id(layer) in inside[id(p)]),
+            key=lambda p: -len(inside[id(p)]),
+        )
+        names = [p.name for p in outer] + [layer.name]
+        for start in range(len(names)):
+            out.append("/".join(names[start:]) + OUTPUT_SUFFIX)
+    return sorted(set(out))
 
 
 # -- plans ---------------------------------------------------------------------
@@ -318,9 +370,25 @@ class LayoutPlan(Plan):
         return self.layout_map[path]
 
     def unmatched_keys(self, paths: Sequence[str]) -> list[str]:
-        """Keys of the layout map that match none of `paths`."""
+        """Keys of the layout map that match none of `paths` (variable keys
+        against variable paths, ``"/output"`` keys against layer output
+        paths)."""
         hit = {self.layout_map.key_for(p) for p in paths}
-        return [k for k in self.layout_map if k not in hit]
+        output = any(is_output_path(p) for p in paths)
+        return [
+            k
+            for k in self.layout_map
+            if k not in hit and is_output_path(k) == output
+        ]
+
+    def output_keys(self) -> list[str]:
+        """The keys that lay out layer outputs (``"…/output"``)."""
+        return [k for k in self.layout_map if is_output_path(k)]
+
+    def output_layout(self, path: str) -> tuple | None:
+        """The layout of the layer output at `path` (``"…/output"``), or
+        None where no ``"/output"`` key matches it."""
+        return self.layout_map[path] if self.output_keys() else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +453,9 @@ def check_variable_layout(plan: Plan, path: str, shape, layout) -> tuple:
 
 def check_unmatched(plan: Plan, paths: Sequence[str], what: str) -> None:
     """Raises when a LayoutMap key matches none of `paths`, or when the
-    map has no key at all (it would shard nothing).
+    map has no key at all (it would shard nothing). `paths` are variable
+    paths (checking the variable keys) or layer output paths
+    (`layer_output_paths`, checking the ``"/output"`` keys).
 
     Raises:
         LayoutError: naming each such key and the nearest paths (or the
@@ -419,6 +489,16 @@ def check_unmatched(plan: Plan, paths: Sequence[str], what: str) -> None:
             continue
         near = difflib.get_close_matches(key, paths, n=3, cutoff=0.0)
         lines.append(f"  {key!r} (nearest paths: {near})")
+    if any(is_output_path(p) for p in paths):
+        raise LayoutError(
+            f"These LayoutMap \"/output\" keys match no layer output of "
+            f"{what}, so they would lay out nothing:\n" + "\n".join(lines)
+            + "\nAn output key is a regular expression matched against the "
+            "whole path of a layer's output at call time: the layer's name, "
+            "after those of the subclassed models and layers that call it, "
+            "then \"/output\" (e.g. \"dense.*/output\"). Fix the keys, or "
+            "pass `LayoutMap(mesh, allow_unmatched=True)`."
+        )  # fmt: skip
     raise LayoutError(
         f"These LayoutMap keys match no variable of {what}, so they would "
         "shard nothing:\n" + "\n".join(lines) + "\nKeys are regular "

@@ -168,6 +168,41 @@ def symbolic_build_in(model, scope) -> None:
     model.__dict__["_symbolic_build"] = symbolic_build
 
 
+def in_symbolic_scope() -> bool:
+    """Keras's private `in_symbolic_scope`: whether Keras is inferring
+    shapes (`compute_output_spec`), not computing values."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def current_path() -> str:
+    """Keras's private `current_path`: the name scopes open now, joined by
+    "/" (inside a layer's call: the path that Keras gives its output
+    layout, less ``"/output"``)."""
+    from keras.src.backend.common.name_scope import current_path
+
+    return current_path()
+
+
+def remat_fresh_calls(layer) -> None:
+    """Gives Keras's private `Operation.rematerialized_call` of `layer` (on
+    the instance) a new function object around the call it rematerializes,
+    at each call. JAX's `jax.checkpoint` caches its trace by the function
+    object: a `call` set on the instance (not a method bound anew at each
+    access) would reuse the first trace, whose closed-over variable values
+    are tracers of an earlier step (`UnexpectedTracerError`)."""
+    original = type(layer).rematerialized_call
+
+    def rematerialized_call(fn, *args, **kwargs):
+        def fresh(*inner_args, **inner_kwargs):
+            return fn(*inner_args, **inner_kwargs)
+
+        return original(layer, fresh, *args, **kwargs)
+
+    layer.__dict__["rematerialized_call"] = rematerialized_call
+
+
 def variable_layout(variable):
     """Keras's private `Variable._layout`: the backend layout the variable
     was created with under a distribution (a JAX `NamedSharding`), or

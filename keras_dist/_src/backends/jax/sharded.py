@@ -18,8 +18,9 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from keras import distribution as keras_distribution
+from keras import tree
 
 from keras_dist._src import plan as plan_lib
 from keras_dist._src.backends.jax.devices import devices_by_name
@@ -74,6 +75,10 @@ class _PlanDistribution(keras_distribution.ModelParallel):
         return _TensorLayout(layout, self.device_mesh)
 
     def get_tensor_layout(self, path):
+        # Keras's own `Layer.__call__` asks this only while a distribution
+        # is active: in the strategy's scope, not in keras_dist's steps
+        # (which apply the "/output" keys themselves:
+        # `ShardedEngine._install_output_layouts`).
         del path
         return None
 
@@ -197,6 +202,66 @@ class ShardedEngine(SPMDEngine):
         Keras distribution active (see `SPMDEngine.call_scope`)."""
         super().attach(model)
         glue.symbolic_build_in(model, self._build_scope)
+        self._install_output_layouts(model)
+
+    def _install_output_layouts(self, model) -> None:
+        """Honors the plan's ``"…/output"`` keys as Keras's `ModelParallel`
+        does: each matching layer's output gets a sharding constraint
+        (`jax.lax.with_sharding_constraint`) inside the step. Keras applies
+        them in `Layer.__call__` while a distribution is active, which it
+        is not during keras_dist's steps; here each layer's call applies
+        them, with the path Keras would give (`glue.current_path`)."""
+        plan = self.plan
+        if not isinstance(plan, plan_lib.LayoutPlan) or not (
+            plan.output_keys()
+        ):
+            return
+        plan_lib.check_unmatched(
+            plan,
+            plan_lib.layer_output_paths(model, glue.flatten_layers),
+            f"model {model.name!r}",
+        )
+        for layer in glue.flatten_layers(model, include_self=True):
+            current = layer.__dict__.get("call")
+            inner = getattr(current, "_keras_dist_output_inner", current)
+            if inner is None:
+                inner = type(layer).call.__get__(layer)
+            layer.__dict__["call"] = self._output_layout_call(inner)
+            glue.remat_fresh_calls(layer)  # RematScope, keras.remat
+
+    def _output_layout_call(self, inner):
+        """`inner` (a layer's call) whose outputs take the layout of the
+        ``"/output"`` key that their path matches, if any."""
+        plan, mesh = self.plan, self.mesh
+
+        def constrain(path, layout, x):
+            if not isinstance(x, jax.Array):  # tracers are jax.Arrays
+                return x
+            if len(layout) != x.ndim:
+                raise LayoutError(
+                    f"The layout {layout} for layer output {path!r} has "
+                    f"{len(layout)} entries, but the output has shape "
+                    f"{tuple(x.shape)} ({x.ndim} dimensions). Give one "
+                    "entry per dimension (None for a whole one)."
+                )
+            sharding = NamedSharding(mesh, PartitionSpec(*layout))
+            return jax.lax.with_sharding_constraint(x, sharding)
+
+        def call(*args, **kwargs):
+            outputs = inner(*args, **kwargs)
+            if glue.in_symbolic_scope():
+                return outputs
+            path = glue.current_path() + plan_lib.OUTPUT_SUFFIX
+            layout = plan.output_layout(path)
+            if layout is None:
+                return outputs
+            return tree.map_structure(
+                lambda x: constrain(path, layout, x), outputs
+            )
+
+        call.__doc__ = getattr(inner, "__doc__", None)
+        call._keras_dist_output_inner = inner
+        return call
 
     @contextlib.contextmanager
     def _build_scope(self):

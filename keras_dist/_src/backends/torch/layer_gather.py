@@ -61,11 +61,21 @@ def install(model, mesh_dim: int) -> None:
         mesh_dim: the index of the batch axis in the mesh.
     """
     for layer in _units(model):
-        current = layer.__dict__.get("call")
+        current = peel(layer.__dict__.get("call"))
         inner = getattr(current, "_keras_dist_inner", None)
         if inner is None:
             inner = current or type(layer).call.__get__(layer)
         layer.__dict__["call"] = _gathering_call(layer, inner, mesh_dim)
+
+
+def peel(call):
+    """`call` (a layer's instance call, or None) without the wrappers that
+    `sharded` installs around everything else (`_keras_dist_outer_inner`:
+    calls by hand, output layouts), so that installing again wraps what
+    is under them, once."""
+    while hasattr(call, "_keras_dist_outer_inner"):
+        call = call._keras_dist_outer_inner
+    return call
 
 
 def _units(model):

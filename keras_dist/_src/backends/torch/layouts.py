@@ -70,15 +70,23 @@ def _split_like(target, value):
 def dtensor_assign(original):
     """The assignment of Keras's torch `Variable` (replaced through
     `keras_glue.torch_variables`) that splits a whole value into a DTensor
-    variable's placements (each rank keeps its part, no collective)."""
+    variable's placements (each rank keeps its part, no collective) and
+    copies it into the variable's own DTensor. Keras 3.16's assignment
+    redistributes a DTensor value by the variable's Keras layout, which
+    keras_dist's variables do not have (``'NoneType' object has no
+    attribute 'device_mesh'``); 3.15's copies into `variable.value`, a
+    cast copy under an `AutocastScope`."""
 
     def _direct_assign(variable, value):
         target = glue.variable_value(variable)
-        if isinstance(target, DTensor) and not isinstance(value, DTensor):
+        if not isinstance(target, DTensor):
+            return original(variable, value)
+        if not isinstance(value, DTensor):
             # A whole value (set_weights, a checkpoint restore) given on
             # every rank.
             value = _split_like(target, value)
-        return original(variable, value)
+        with torch.no_grad():
+            target.copy_(value)
 
     return _direct_assign
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
 
 import keras
 import numpy as np
@@ -413,8 +414,17 @@ def _split_input_call(layer, original):
     return call
 
 
+#: ``depth``: how many steps (or calls by hand) this thread is inside.
+_IN_STEP = threading.local()
+
+
 class _StepFunctions(ModelSteps):
     """Keras's own steps on DTensor batches and variables."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Whether Keras's symbolic build of the model is running.
+        self.building = [False]
 
     def install(self) -> None:
         """Replaces the step factories, metric reads and Dropout calls."""
@@ -456,26 +466,89 @@ class _StepFunctions(ModelSteps):
         super().install()
 
     def _install_direct_calls(self) -> None:
-        """`model(x)` outside the steps (inference by hand): every rank
-        passes the same whole batch, which goes in replicated; the output
-        comes back whole, as a plain tensor. Inside a step the inputs are
-        DTensors already and pass through."""
-        model = self.model
-        original = model.call
-        engine = self.engine
-        building = [False]
+        """A layer of the model called by hand, outside the steps (`model(x)`
+        for inference, a sampler's ``model.get_layer("embedding")(ids)``,
+        a sublayer of a backbone): see `_direct_call`. Keras's symbolic
+        build of the model calls it as one device does. Also the plan's
+        ``"…/output"`` keys (`_output_layout_call`)."""
+        building = self.building
 
         @contextlib.contextmanager
         def build_scope():
-            # Keras's symbolic build calls the model as Keras does on one
-            # device (compute_output_spec): it is not a call by hand.
             building[0] = True
             try:
                 yield
             finally:
                 building[0] = False
 
-        glue.symbolic_build_in(model, build_scope)
+        glue.symbolic_build_in(self.model, build_scope)
+        plan = self.engine.plan
+        outputs = isinstance(plan, plan_lib.LayoutPlan) and plan.output_keys()
+        if outputs:
+            plan_lib.check_unmatched(
+                plan,
+                plan_lib.layer_output_paths(self.model, glue.flatten_layers),
+                f"model {self.model.name!r}",
+            )
+        for layer in glue.flatten_layers(self.model, include_self=True):
+            # Installed again (a recompile): around what is under it now.
+            base = layer_gather.peel(layer.__dict__.get("call"))
+            if base is None:
+                base = type(layer).call.__get__(layer)
+            inner = self._output_layout_call(base) if outputs else base
+            call = self._direct_call(layer, inner)
+            call._keras_dist_outer_inner = base
+            layer.__dict__["call"] = call
+
+    def _output_layout_call(self, inner):
+        """`inner` (a layer's call) whose outputs, in a step or a call by
+        hand, take the layout of the plan's ``"…/output"`` key that their
+        path matches (Keras's path: `glue.current_path` + ``"/output"``),
+        as DTensor redistributions (autograd moves the gradient back)."""
+        plan, mesh = self.engine.plan, self.engine.mesh
+
+        def relayout(path, layout, x):
+            if not isinstance(x, DTensor):
+                return x
+            if len(layout) != x.ndim:
+                raise LayoutError(
+                    f"The layout {layout} for layer output {path!r} has "
+                    f"{len(layout)} entries, but the output has shape "
+                    f"{tuple(x.shape)} ({x.ndim} dimensions). Give one "
+                    "entry per dimension (None for a whole one)."
+                )
+            placements = layouts.placements(mesh, layout)
+            if tuple(x.placements) == placements:
+                return x
+            return x.redistribute(x.device_mesh, placements)
+
+        def call(*args, **kwargs):
+            outputs = inner(*args, **kwargs)
+            if not getattr(_IN_STEP, "depth", 0) or glue.in_symbolic_scope():
+                return outputs
+            path = glue.current_path() + plan_lib.OUTPUT_SUFFIX
+            layout = plan.output_layout(path)
+            if layout is None:
+                return outputs
+            return tree.map_structure(
+                lambda x: relayout(path, layout, x), outputs
+            )
+
+        call.__doc__ = getattr(inner, "__doc__", None)
+        return call
+
+    def _direct_call(self, layer, inner):
+        """`inner` (the call of `layer`) that, called by hand with plain
+        tensors on a layer whose variables are DTensors, runs as a step
+        does: every rank passes the same whole inputs, which go in
+        replicated, and the outputs come back whole, as plain tensors (in
+        Keras's symbolic shape inference they stay DTensors: only their
+        shapes are read, and gathering them would be a collective). Inside
+        a step or a call by hand (nested layers), with DTensor inputs, in
+        Keras's symbolic build, or before the variables are laid out, the
+        call is `inner` itself."""
+        engine = self.engine
+        building = self.building
 
         def replicated(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -487,28 +560,28 @@ class _StepFunctions(ModelSteps):
                 )
             return x
 
-        def laid_out():
-            return any(
-                isinstance(glue.variable_value(v), DTensor)
-                for v in model.weights
-            )
-
         def call(*args, **kwargs):
-            leaves = tree.flatten((args, kwargs))
             if (
-                building[0]
-                or any(isinstance(x, DTensor) for x in leaves)
-                or not laid_out()
+                getattr(_IN_STEP, "depth", 0)
+                or building[0]
+                or not any(
+                    isinstance(glue.variable_value(v), DTensor)
+                    for v in layer.weights
+                )
+                or any(
+                    isinstance(x, DTensor) for x in tree.flatten((args, kwargs))
+                )
             ):
-                # Keras's symbolic build, a step's call, or one before the
-                # variables are laid out (Keras's build of the model).
-                return original(*args, **kwargs)
+                return inner(*args, **kwargs)
             args, kwargs = tree.map_structure(replicated, (args, kwargs))
             with self._dtensor_ops():
-                return layouts.to_plain(original(*args, **kwargs))
+                outputs = inner(*args, **kwargs)
+            if glue.in_symbolic_scope():
+                return outputs
+            return layouts.to_plain(outputs)
 
-        call.__doc__ = getattr(original, "__doc__", None)
-        model.__dict__["call"] = call
+        call.__doc__ = getattr(inner, "__doc__", None)
+        return call
 
     def prepare(self) -> None:
         """The model's variables as DTensors."""
@@ -528,7 +601,11 @@ class _StepFunctions(ModelSteps):
             stack.enter_context(implicit_replication())
             if self.engine.device.type == "cpu":
                 stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
-            yield
+            _IN_STEP.depth = getattr(_IN_STEP, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                _IN_STEP.depth -= 1
 
     def train_step(self, data):
         """Keras's `train_step` on a DTensor batch."""
