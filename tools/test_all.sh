@@ -82,6 +82,7 @@ NEXT_TESTS=(
   tests/torch/test_torch_parity_fast.py tests/torch/test_torch_features.py
   tests/torch/test_torch_keras_trainer.py
   tests/torch/test_torch_model_parallel.py
+  tests/torch/test_torch_layer_calls.py
   tests/torch/test_torch_checkpoint.py
 )
 
