@@ -227,6 +227,13 @@ def run_keras_like(args, recorder):
         recorder.extra["describe_bytes_per_device"] = sum(
             r["bytes_per_device"] for r in rows if r["group"] != "metrics"
         )
+        recorder.extra["expected_peak"] = rows.expected_peak
+        recorder.stage("describe")
+    if args.run.startswith("jax2"):
+        # What attaching a model costs on several JAX processes: every
+        # variable's chief value given to every process (issue #46).
+        strategy.extended.sync_variables(model.variables)
+        recorder.stage("sync_variables")
     directory = os.path.join(args.out, f"ckpt-{args.run}")
     keras_dist.checkpoint.save(model, directory)
     recorder.stage("save")
@@ -373,6 +380,13 @@ def _summarise(run, width, procs, records):
         ]
         stages[name] = max(above)
     peak = max(stages.values())
+    # sync_variables alone, above what the process held before it.
+    sync = [
+        r["stages"]["sync_variables"]["peak"]
+        - r["stages"]["describe"]["rss_after"]
+        for r in records
+        if "sync_variables" in r["stages"]
+    ]
     return {
         "run": run,
         "backend": "jax" if run.startswith("jax") else "torch",
@@ -387,9 +401,11 @@ def _summarise(run, width, procs, records):
         "above_baseline": stages,
         "peak_above_baseline": peak,
         "ratio": peak / ideal,
+        "sync_variables_transient": max(sync) if sync else None,
         "describe_bytes_per_device": records[0].get(
             "describe_bytes_per_device"
         ),
+        "expected_peak": records[0].get("expected_peak"),
         "ranks": records,
     }
 
@@ -432,6 +448,15 @@ def _print_table(results):
                     f"  {r['run']} W={r['width']} N={r['processes']}: ratio "
                     f"{r['ratio']:.2f} against FSDP2's {anchor:.2f} "
                     f"({r['ratio'] / anchor:.2f}x)"
+                )
+        for r in rows:
+            if r["sync_variables_transient"] is not None:
+                print(
+                    f"  {r['run']} W={r['width']}: sync_variables took "
+                    f"{r['sync_variables_transient'] / MiB:.1f} MiB above "
+                    "what the process held, "
+                    f"{r['sync_variables_transient'] / r['largest_bytes']:.2f}"
+                    " x the largest variable"
                 )
         if backend == "jax":
             keras_mp = {
