@@ -429,7 +429,7 @@ def _peak_lines(peak) -> list[str]:
     if state is None:
         state_note = "unknown for this optimizer: not in the total"
     elif peak["optimizer_state_estimated"]:
-        state_note = "estimated from the optimizer's type (not built yet)"
+        state_note = "estimated from the optimizer's type: not built yet"
     else:
         state_note = "the optimizer's variables"
     total = peak["total"]
