@@ -244,6 +244,22 @@ def test_parity_with_one_device(name, reference):
         assert measured < full
 
 
+def test_optimizer_slots_estimate_the_state_before_it_is_built():
+    from keras_dist._src.strategy import optimizer_slots
+
+    opt = keras.optimizers
+    assert optimizer_slots(opt.SGD()) == 0
+    assert optimizer_slots(opt.SGD(momentum=0.9)) == 1
+    assert optimizer_slots(opt.Adam()) == 2
+    assert optimizer_slots(opt.Adam(amsgrad=True)) == 3
+    assert optimizer_slots(opt.RMSprop(momentum=0.5, centered=True)) == 3
+
+    class Custom(opt.SGD):
+        pass
+
+    assert optimizer_slots(Custom()) is None  # unknown: not guessed
+
+
 @jax_only
 @pytest.mark.multi_device
 def test_describe_before_the_first_step_says_what_is_missing():
@@ -263,6 +279,36 @@ def test_describe_before_the_first_step_says_what_is_missing():
     assert len(after) > len(before)
     slot = [r for r in after if r["path"].endswith("hidden_kernel_momentum")]
     assert slot[0]["layout"] == (None, "model")
+    # The expected peak per device, in float32 elements on the 2x2 mesh:
+    # conv/kernel 36 / 2, hidden/kernel 1024 / 2, hidden/bias 16 / 2 and
+    # out/kernel 64 / 2 split over "model"; conv/bias 4, bn 4 x 4 and
+    # out/bias 4 whole. Trainable: all but bn's two moving statistics.
+    parameters = 4 * (18 + 4 + 16 + 512 + 8 + 32 + 4)
+    gradients = parameters - 4 * 8
+    largest = 4 * 1024  # hidden/kernel, whole
+    estimate = before.expected_peak
+    assert estimate == {
+        "parameters": parameters,
+        "optimizer_state": 2 * gradients,  # Adam: two moments
+        "optimizer_state_estimated": True,
+        "gradients": gradients,
+        "largest_variable": largest,
+        "total": parameters + 3 * gradients + largest,
+    }
+    # Built: Adam's moments plus its iteration count and learning rate.
+    built = after.expected_peak
+    extra = sum(
+        r["bytes_per_device"]
+        for r in after
+        if r["path"].endswith(("iteration", "learning_rate"))
+    )
+    assert extra in (8 + 4, 4 + 4)  # int64 iteration, or int32 in JAX
+    assert built["optimizer_state"] == 2 * gradients + extra
+    assert not built["optimizer_state_estimated"]
+    assert built["total"] == estimate["total"] + extra
+    lines = []
+    strategy.describe(model, print_fn=lines.append)
+    assert f"  total              {built['total']}" in lines[0]
 
 
 @jax_only

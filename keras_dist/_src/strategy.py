@@ -291,10 +291,18 @@ class Strategy:
                 only; a function given here is called on every process;
                 None prints nothing.
 
+        The table ends with the expected peak per device without
+        activations: the device's shares of the parameters, the optimizer's
+        state (its variables once built, else estimated from its type) and
+        the gradients, plus the largest single variable whole (the
+        transient while one variable is created, gathered or restored).
+
         Returns:
             One dict per variable: ``path``, ``group`` (model, optimizer or
             metrics), ``shape``, ``dtype``, ``layout`` (a tuple, None per
-            whole dimension) and ``bytes_per_device``.
+            whole dimension) and ``bytes_per_device``; the list's
+            ``expected_peak`` attribute is a dict of bytes per device
+            (see `expected_peak`).
         """
         if print_fn is _CHIEF:
             print_fn = self.print
@@ -334,6 +342,10 @@ def describe_variables(
                     "bytes_per_device": int(np.prod(local_shape)) * itemsize,
                 }
             )
+    trainable = {v.path for v in model.trainable_variables}
+    peak = expected_peak(rows, optimizer, trainable)
+    rows = Description(rows)
+    rows.expected_peak = peak
     missing = None
     if optimizer is not None and not getattr(optimizer, "built", True):
         # Keras builds the optimizer (its slots) and the compiled metrics at
@@ -368,10 +380,118 @@ def describe_variables(
             )
         total = sum(r["bytes_per_device"] for r in rows)
         lines.append(f"total bytes per device: {total}")
+        lines.extend(_peak_lines(peak))
         if missing:
             lines.append(missing)
         print_fn("\n".join(lines))
     return rows
+
+
+class Description(list):
+    """`Strategy.describe`'s rows, with the summary as ``expected_peak``."""
+
+    expected_peak: dict
+
+
+# Slots per trainable variable of Keras's optimizers, by class name.
+_SLOTS = {
+    "Adam": 2,
+    "AdamW": 2,
+    "Adamax": 2,
+    "Nadam": 2,
+    "Adadelta": 2,
+    "Ftrl": 2,
+    "Adagrad": 1,
+    "Lion": 1,
+    "Adafactor": 2,
+}
+
+
+def optimizer_slots(optimizer) -> int | None:
+    """How many variables the size of each trainable variable `optimizer`
+    keeps (Adam 2, SGD with momentum 1, plain SGD 0); None if unknown."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1 if getattr(optimizer, "momentum", 0) else 0
+    if name == "RMSprop":
+        momentum = 1 if getattr(optimizer, "momentum", 0) else 0
+        return 1 + momentum + int(bool(getattr(optimizer, "centered", 0)))
+    if name in _SLOTS:
+        return _SLOTS[name] + int(bool(getattr(optimizer, "amsgrad", False)))
+    return None
+
+
+def expected_peak(rows, optimizer, trainable) -> dict:
+    """The expected peak bytes per device of `describe`'s `rows`.
+
+    Args:
+        rows: `describe` rows.
+        optimizer: the model's optimizer, or None.
+        trainable: the paths of the model's trainable variables.
+
+    Returns:
+        A dict: ``parameters`` (the model's variables' shards),
+        ``optimizer_state`` (the optimizer's variables' shards once built,
+        else the trainable shards times `optimizer_slots`; None when
+        unknown), ``optimizer_state_estimated`` (bool), ``gradients``
+        (the trainable variables' shards), ``largest_variable`` (the
+        largest variable whole) and ``total`` (their sum; None when the
+        optimizer's state is unknown). Activations are not included.
+    """
+    import numpy as np
+
+    def share(group, only=None):
+        return sum(
+            r["bytes_per_device"]
+            for r in rows
+            if r["group"] == group and (only is None or r["path"] in only)
+        )
+
+    gradients = share("model", only=trainable)
+    estimated = optimizer is not None and not getattr(optimizer, "built", 1)
+    if optimizer is None:
+        state = 0
+    elif estimated:
+        slots = optimizer_slots(optimizer)
+        state = None if slots is None else slots * gradients
+    else:
+        state = share("optimizer")
+    largest = max(
+        (
+            int(np.prod(r["shape"])) * np.dtype(r["dtype"]).itemsize
+            for r in rows
+        ),
+        default=0,
+    )
+    parts = {
+        "parameters": share("model"),
+        "optimizer_state": state,
+        "gradients": gradients,
+        "largest_variable": largest,
+    }
+    total = None if state is None else sum(parts.values())
+    return dict(parts, optimizer_state_estimated=estimated, total=total)
+
+
+def _peak_lines(peak) -> list[str]:
+    """`expected_peak` as lines of `describe`'s table."""
+    state = peak["optimizer_state"]
+    if state is None:
+        state_note = "unknown for this optimizer: not in the total"
+    elif peak["optimizer_state_estimated"]:
+        state_note = "estimated from the optimizer's type: not built yet"
+    else:
+        state_note = "the optimizer's variables"
+    total = peak["total"]
+    return [
+        "expected peak per device (bytes, without activations):",
+        f"  parameters         {peak['parameters']}",
+        f"  optimizer state    {state}  ({state_note})",
+        f"  gradients          {peak['gradients']}",
+        f"  largest variable   {peak['largest_variable']}  (whole, while "
+        "it is created, gathered or restored)",
+        f"  total              {total if total is not None else 'unknown'}",
+    ]
 
 
 def get_strategy() -> Strategy:
