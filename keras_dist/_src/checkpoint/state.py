@@ -389,11 +389,12 @@ def _tf_context_rng():
         "tensorflow"
     ):
         return None
+    from keras_dist._src.framework_glue import tensorflow_private
+
     try:
-        from tensorflow.python.eager import context
+        rng = tensorflow_private.eager_op_seed_generator()
     except ImportError:  # pragma: no cover
         return None
-    rng = getattr(context.context(), "_rng", None)
     return rng if isinstance(rng, random.Random) else None
 
 

@@ -345,14 +345,14 @@ class _TrainInput:
         """A per-worker dataset function reading `dataset`'s elements of
         this worker (the dataset's graph is serialized to each worker, as
         `create_per_worker_dataset` does with a dataset)."""
-        from tensorflow.python.distribute.coordinator import values
+        from keras_dist._src.framework_glue import tensorflow_private as tfp
 
-        serialized = values.serialize_dataset_to_graph(dataset)
+        serialized = tfp.serialize_dataset_to_graph(dataset)
         spec = dataset.element_spec
         workers = self.num_workers
 
         def dataset_fn():
-            restored = values.deserialize_dataset_from_graph(serialized, spec)
+            restored = tfp.deserialize_dataset_from_graph(serialized, spec)
             if workers > 1:
                 restored = restored.shard(workers, _worker_index())
             restored = restored.repeat()
