@@ -70,7 +70,7 @@ def test_backend_module_functions(backend):
             f"{backend}.{name} signature differs from the contract"
         )
     init = (BACKEND_DIR / backend / "__init__.py").read_text()
-    for name in contract.CONTRACT_FUNCTIONS + ("NAME",):
+    for name in contract.CONTRACT_FUNCTIONS + ("NAME", "CAPABILITIES"):
         assert f'"{name}"' in init, f"{backend}/__init__ does not export {name}"
 
 
@@ -500,3 +500,92 @@ def test_framework_private_names_resolve_in_the_installed_framework():
         if not hasattr(DeviceMesh, "_flatten"):
             missing.append("DeviceMesh._flatten")
     assert not missing, f"{backend} lacks {missing}"
+
+
+BACKEND_NAMES = {"jax", "tensorflow", "torch", "numpy", "openvino"}
+
+
+def _backend_switches(text):
+    """Lines of `text` that ask for the Keras backend's name
+    (``keras.backend.backend()``, a backend module's ``NAME``) or compare
+    something with a backend's name."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "backend"
+            and ast.unparse(node.func.value).endswith("backend")
+        ) or (isinstance(node, ast.Attribute) and node.attr == "NAME"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            literals = set()
+            for operand, op in zip(operands[1:], node.ops):
+                if isinstance(op, (ast.Eq, ast.NotEq)):
+                    literals.update(
+                        o.value
+                        for o in (operands[0], operand)
+                        if isinstance(o, ast.Constant)
+                    )
+                elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(
+                    operand, (ast.Tuple, ast.List, ast.Set)
+                ):
+                    literals.update(
+                        e.value
+                        for e in operand.elts
+                        if isinstance(e, ast.Constant)
+                    )
+            if literals & BACKEND_NAMES:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_backend_name_switch_outside_backends():
+    # What differs between backends is declared by the backend (its
+    # `CAPABILITIES`, `backends.refuse_unsupported`); only `backends/`,
+    # `cluster/` (launching processes) and the CLI's doctor, which reports
+    # per backend, may ask for the backend's name.
+    package = SRC.parent
+    allowed = (SRC / "backends", SRC / "cluster")
+    offenders = {}
+    for path in sorted(package.rglob("*.py")):
+        if any(a in path.parents for a in allowed) or path == (
+            package / "cli.py"
+        ):
+            continue
+        found = _backend_switches(path.read_text())
+        if found:
+            offenders[str(path.relative_to(package.parent))] = found
+    assert not offenders, (
+        "Backend-name switches outside backends/ and cluster/ (declare a "
+        f"capability in backends/contract.py's Capabilities): {offenders}"
+    )
+
+
+def test_backend_switch_finder_finds_switches():
+    text = (
+        "import keras\n"
+        "a = keras.backend.backend()\n"
+        "b = name() == 'torch'\n"
+        "c = backend in ('jax', 'tensorflow')\n"
+        "d = module.NAME\n"
+        "e = 'torch' in sys.modules\n"  # whether torch is imported: fine
+        "f = x == 'other'\n"
+    )
+    assert [f.split(":")[0] for f in _backend_switches(text)] == [
+        "2",
+        "3",
+        "4",
+        "5",
+    ]
+
+
+def test_the_backend_declares_its_capabilities():
+    from keras_dist._src import backends
+
+    module = backends.get()  # the running backend's: importing another
+    capabilities = module.CAPABILITIES  # would start its framework
+    assert isinstance(capabilities, contract.Capabilities)
+    for plan_type in capabilities.refused_plans:
+        assert plan_type in module.ENGINES, plan_type

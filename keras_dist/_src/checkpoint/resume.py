@@ -4,8 +4,7 @@ batches already trained (a mixin of the callback's restore-side methods).
 
 from __future__ import annotations
 
-import keras
-
+from keras_dist._src import backends as backend_lib
 from keras_dist._src.checkpoint import manager as manager_lib
 from keras_dist._src.checkpoint import runtime_glue, state
 from keras_dist._src.checkpoint.backup_dir import _log
@@ -78,7 +77,7 @@ class _Resume:
     def _install_skip(self, model, calls, spe):
         """The next `calls` train-function calls only consume their data."""
         original = model.train_function
-        backend = keras.backend.backend()
+        stateful = backend_lib.capabilities().stateful_train_function
         remaining = [calls]
 
         def skip(*args, **kwargs):
@@ -87,7 +86,7 @@ class _Resume:
                 model.train_function = original
             # JAX: (state, iterator); TensorFlow: (iterator,); torch:
             # (list of the call's batches, already drawn).
-            data = args[1] if backend == "jax" else args[0]
+            data = args[1] if stateful else args[0]
             if isinstance(data, (list, tuple)):
                 batches = list(data)
             else:  # as Keras's step: the last call of an epoch may be short
@@ -109,7 +108,7 @@ class _Resume:
                 if keys is None:
                     keys = list(model.get_metrics_result())
                 logs = {key: 0.0 for key in keys}
-            return (logs, args[0]) if backend == "jax" else logs
+            return (logs, args[0]) if stateful else logs
 
         self._skipping = calls
         self._unskip = lambda: setattr(model, "train_function", original)

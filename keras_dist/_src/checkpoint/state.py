@@ -385,14 +385,13 @@ def restore_rng(arrays: dict) -> None:
 
 def _tf_context_rng():
     """TensorFlow's eager op-seed generator (a `random.Random`), if set."""
-    if "tensorflow" not in sys.modules or keras.backend.backend() != (
-        "tensorflow"
-    ):
-        return None
-    from keras_dist._src.framework_glue import tensorflow_private
+    from keras_dist._src import backends as backend_lib
 
+    generator = backend_lib.capabilities().op_seed_generator
+    if generator is None:
+        return None
     try:
-        rng = tensorflow_private.eager_op_seed_generator()
+        rng = generator()
     except ImportError:  # pragma: no cover
         return None
     return rng if isinstance(rng, random.Random) else None
@@ -423,9 +422,10 @@ def unprefixed(arrays: dict, prefix: str) -> dict:
 # -- versions --
 def versions() -> dict:
     """Versions of keras_dist, Keras, the backend framework and Python."""
+    from keras_dist._src import backends as backend_lib
     from keras_dist._src.version import __version__
 
-    backend = keras.backend.backend()
+    backend = backend_lib.name()
     module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(
         backend
     )

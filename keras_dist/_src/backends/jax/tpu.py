@@ -76,6 +76,22 @@ def join_tpu_job() -> ClusterEnvironment | None:
     )
 
 
+def connect_tpu(tpu=None):
+    """`TPUStrategy`'s connection on JAX: joins the job of every host of
+    a Cloud TPU slice, if any (`tpu` is TensorFlow's; unused here).
+
+    Returns:
+        ``(environment, devices)``: this process's place in the job and
+        None (every chip of every host), or None and this host's chips.
+    """
+    del tpu
+    environment = join_tpu_job()
+    devices = [f"{d.platform}:{d.id}" for d in tpu_devices()]
+    if environment is not None:
+        devices = None  # every chip of every host, once joined
+    return environment, devices
+
+
 def _on_cloud_tpu_vm() -> bool:
     return jax_private.running_in_cloud_tpu_vm()
 
