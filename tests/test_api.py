@@ -390,16 +390,16 @@ def test_one_replica_found_says_how_to_get_more():
 
     strategy = keras_dist.MirroredStrategy(["cpu:0"])
     # One device named on purpose: nothing to say.
-    assert output.one_replica_advice(strategy, "jax") is None
+    assert output.one_replica_advice(strategy, False) is None
     strategy._many_devices_meant = True  # as MirroredStrategy() finding one
-    assert output.one_replica_advice(strategy, "jax") == (
+    assert output.one_replica_advice(strategy, False) == (
         "MirroredStrategy found one device (cpu:0): training runs on a "
         "single replica, as without a strategy. On a CPU, split it: "
         "KERAS_DIST_CPU_DEVICES=4 (or keras_dist.simulate_cpu_devices(4) "
         "right after `import keras_dist`)."
     )
     assert "keras-dist launch --nproc-per-node 2" in (
-        output.one_replica_advice(strategy, "torch")
+        output.one_replica_advice(strategy, True)
     )
 
 

@@ -70,7 +70,7 @@ def test_backend_module_functions(backend):
             f"{backend}.{name} signature differs from the contract"
         )
     init = (BACKEND_DIR / backend / "__init__.py").read_text()
-    for name in contract.CONTRACT_FUNCTIONS + ("NAME",):
+    for name in contract.CONTRACT_FUNCTIONS + ("NAME", "CAPABILITIES"):
         assert f'"{name}"' in init, f"{backend}/__init__ does not export {name}"
 
 
@@ -358,3 +358,234 @@ def test_private_keras_names_resolve_in_the_installed_keras():
             f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)
         ]
     assert not missing, f"Keras {keras.__version__} lacks {missing}"
+
+
+# Private names of the frameworks themselves that only
+# `keras_dist/_src/framework_glue/` may touch (as keras_glue for Keras).
+FRAMEWORK_GLUE_DIR = SRC / "framework_glue"
+FRAMEWORK_PRIVATE_PATTERNS = (
+    r"\bjax\._src\b",
+    r"\bfrom jax import _src\b",
+    r"\btensorflow\.python\b",
+    r"\bfrom tensorflow import python\b",
+    r"\bcompute_local_shape_and_global_offset\b",
+    r"\._local_tensor\b",
+    r"\._flatten\(",
+    r"\._VariantDataset\b",
+    r"(?<!\bself)\._seed\b",
+    r"(?<!\bself)\._rng\b",
+)
+FRAMEWORK_GLUE = {
+    "jax": "jax_private",
+    "tensorflow": "tensorflow_private",
+    "torch": "torch_private",
+}
+
+
+def test_framework_privates_only_in_framework_glue():
+    package = SRC.parent
+    offenders = {}
+    for path in sorted(package.rglob("*.py")):
+        if FRAMEWORK_GLUE_DIR in path.parents:
+            continue
+        text = path.read_text()
+        found = [p for p in FRAMEWORK_PRIVATE_PATTERNS if re.search(p, text)]
+        if found:
+            offenders[str(path.relative_to(package.parent))] = found
+    assert not offenders, (
+        "Private JAX/TensorFlow/torch names outside "
+        "keras_dist/_src/framework_glue/ (add a function there and call "
+        f"it): {offenders}"
+    )
+
+
+def test_framework_glue_imports_no_framework():
+    # Importing a glue module imports no framework: each function imports
+    # what it needs when called.
+    for path in FRAMEWORK_GLUE_DIR.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = (
+                    [node.module]
+                    if isinstance(node, ast.ImportFrom)
+                    else [a.name for a in node.names]
+                )
+                assert modules == ["__future__"], (
+                    f"framework_glue/{path.name} imports {modules} at "
+                    "import time"
+                )
+
+
+def _imports_in(path):
+    """``(module, name)`` of every ``from module import name`` in `path`,
+    at any depth."""
+    return sorted(
+        (node.module, a.name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module
+        if node.module != "__future__"
+        for a in node.names
+    )
+
+
+def test_framework_private_names_resolve_in_the_installed_framework():
+    """What the running backend's framework glue reaches exists in the
+    framework installed here: every name it imports, the private
+    attributes it reads, and the resolvers that are safe to call return
+    what their callers expect. A release that moves one fails here."""
+    import importlib
+    import random
+
+    import keras
+
+    backend = keras.backend.backend()
+    module_name = FRAMEWORK_GLUE[backend]
+    glue = importlib.import_module(
+        f"keras_dist._src.framework_glue.{module_name}"
+    )
+    missing = []
+    for module, name in _imports_in(FRAMEWORK_GLUE_DIR / f"{module_name}.py"):
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+            continue
+        if not hasattr(found, name):
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{module}.{name}")
+    if backend == "jax":
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        for owner, names in (
+            (xla_bridge, ("register_backend_factory", "make_cpu_client")),
+            (_jax, ("make_gloo_tcp_collectives",)),
+        ):
+            missing += [n for n in names if not hasattr(owner, n)]
+        assert isinstance(glue.backends_initialized(), bool)
+        assert glue.distributed_client() is None  # no job joined here
+        assert glue.coordinator_address() is None
+        assert glue.running_in_cloud_tpu_vm() is False
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        extended = glue.collective_all_reduce_extended_class()
+        if not hasattr(extended, "_initialize_local_devices"):
+            missing.append("CollectiveAllReduceExtended._initialize_...")
+        context = glue.eager_context()
+        names = ("set_config_key_value", "get_config_key_value", "_seed")
+        missing += [n for n in names if not hasattr(context, n)]
+        # `_rng` exists once a global seed is set (not set here).
+        if "self._rng" not in inspect.getsource(type(context)):
+            missing.append("Context._rng")
+        rng = glue.eager_op_seed_generator()
+        assert rng is None or isinstance(rng, random.Random)
+        glue.eager_global_seed()  # None or the seed: either resolves
+        dataset = tf.data.Dataset.range(8).batch(2, drop_remainder=True)
+        assert int(glue.static_batch_size(dataset)) == 2
+        assert len(list(glue.auto_shard_dataset(dataset, 2, 0, 2))) == 2
+        assert not glue.is_aggregating_variable(tf.Variable(1.0))
+        restored = glue.deserialize_dataset_from_graph(
+            glue.serialize_dataset_to_graph(dataset), dataset.element_spec
+        )
+        assert len(list(restored)) == 4
+    else:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+
+        if "_local_tensor" not in DTensor.__annotations__:
+            missing.append("DTensor._local_tensor")
+        if not hasattr(DeviceMesh, "_flatten"):
+            missing.append("DeviceMesh._flatten")
+    assert not missing, f"{backend} lacks {missing}"
+
+
+BACKEND_NAMES = {"jax", "tensorflow", "torch", "numpy", "openvino"}
+
+
+def _backend_switches(text):
+    """Lines of `text` that ask for the Keras backend's name
+    (``keras.backend.backend()``, a backend module's ``NAME``) or compare
+    something with a backend's name."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "backend"
+            and ast.unparse(node.func.value).endswith("backend")
+        ) or (isinstance(node, ast.Attribute) and node.attr == "NAME"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            literals = set()
+            for operand, op in zip(operands[1:], node.ops):
+                if isinstance(op, (ast.Eq, ast.NotEq)):
+                    literals.update(
+                        o.value
+                        for o in (operands[0], operand)
+                        if isinstance(o, ast.Constant)
+                    )
+                elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(
+                    operand, (ast.Tuple, ast.List, ast.Set)
+                ):
+                    literals.update(
+                        e.value
+                        for e in operand.elts
+                        if isinstance(e, ast.Constant)
+                    )
+            if literals & BACKEND_NAMES:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_backend_name_switch_outside_backends():
+    # What differs between backends is declared by the backend (its
+    # `CAPABILITIES`, `backends.refuse_unsupported`); only `backends/`,
+    # `cluster/` (launching processes) and the CLI's doctor, which reports
+    # per backend, may ask for the backend's name.
+    package = SRC.parent
+    allowed = (SRC / "backends", SRC / "cluster")
+    offenders = {}
+    for path in sorted(package.rglob("*.py")):
+        if any(a in path.parents for a in allowed) or path == (
+            package / "cli.py"
+        ):
+            continue
+        found = _backend_switches(path.read_text())
+        if found:
+            offenders[str(path.relative_to(package.parent))] = found
+    assert not offenders, (
+        "Backend-name switches outside backends/ and cluster/ (declare a "
+        f"capability in backends/contract.py's Capabilities): {offenders}"
+    )
+
+
+def test_backend_switch_finder_finds_switches():
+    text = (
+        "import keras\n"
+        "a = keras.backend.backend()\n"
+        "b = name() == 'torch'\n"
+        "c = backend in ('jax', 'tensorflow')\n"
+        "d = module.NAME\n"
+        "e = 'torch' in sys.modules\n"  # whether torch is imported: fine
+        "f = x == 'other'\n"
+    )
+    assert [f.split(":")[0] for f in _backend_switches(text)] == [
+        "2",
+        "3",
+        "4",
+        "5",
+    ]
+
+
+def test_the_backend_declares_its_capabilities():
+    from keras_dist._src import backends
+
+    module = backends.get()  # the running backend's: importing another
+    capabilities = module.CAPABILITIES  # would start its framework
+    assert isinstance(capabilities, contract.Capabilities)
+    for plan_type in capabilities.refused_plans:
+        assert plan_type in module.ENGINES, plan_type

@@ -177,9 +177,10 @@ def announce(strategy, call: str, batch_size) -> None:
         logger().info(describe_start(strategy, call, batch_size))
 
 
-def one_replica_advice(strategy, backend: str) -> str | None:
+def one_replica_advice(strategy, process_per_device: bool) -> str | None:
     """What to do when a strategy meant for many devices found one, or None
-    when it has several (or was given one device on purpose)."""
+    when it has several (or was given one device on purpose);
+    `process_per_device`: the backend runs a process per device (torch)."""
     if not getattr(strategy, "_many_devices_meant", False):
         return None
     mesh = strategy.plan.mesh
@@ -188,7 +189,7 @@ def one_replica_advice(strategy, backend: str) -> str | None:
         return None
     name = type(strategy).__name__
     device = strategy.plan.devices[0] if strategy.plan.devices else "?"
-    if backend == "torch":
+    if process_per_device:
         fix = (
             "On torch each device is a process: KERAS_DIST_CPU_DEVICES=2 (or "
             "keras_dist.simulate_cpu_devices(2) right after `import "
@@ -213,9 +214,9 @@ def one_replica_advice(strategy, backend: str) -> str | None:
     )
 
 
-def warn_if_one_replica(strategy, backend: str) -> None:
+def warn_if_one_replica(strategy, process_per_device: bool) -> None:
     """Logs `one_replica_advice` as a warning, on the chief."""
-    advice = one_replica_advice(strategy, backend)
+    advice = one_replica_advice(strategy, process_per_device)
     if advice and strategy.is_chief:
         logger().warning(advice)
 

@@ -24,9 +24,8 @@ from keras_dist._src.keras_glue.internals import variable_value
 
 def _shards(requested) -> int:
     """Shards of the table: `requested` (or one per ps task) under
-    ParameterServerStrategy on TensorFlow, else 1 (one variable)."""
-    if keras.backend.backend() != "tensorflow":
-        return 1
+    ParameterServerStrategy (TensorFlow's only: the one strategy with
+    `num_ps`), else 1 (one variable)."""
     from keras_dist._src.context import current_strategy
 
     num_ps = getattr(current_strategy(), "num_ps", None)

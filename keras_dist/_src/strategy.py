@@ -102,7 +102,9 @@ class Strategy:
             raise
         hook.install()
         output.set_last_strategy(self)
-        output.warn_if_one_replica(self, backend_lib.name())
+        output.warn_if_one_replica(
+            self, backend_lib.capabilities().process_per_device
+        )
 
     def _make_plan(self, devices) -> Plan:
         """This strategy's plan over `devices` (this process's devices,

@@ -39,6 +39,31 @@ def get():
     return _loaded
 
 
+def capabilities():
+    """What the active backend declares of itself (its `CAPABILITIES`,
+    a `contract.Capabilities`); the defaults for a Keras backend keras_dist
+    cannot drive (nothing to declare)."""
+    if name() not in _MODULES:
+        from keras_dist._src.backends.contract import Capabilities
+
+        return Capabilities()
+    return get().CAPABILITIES
+
+
+def refuse_unsupported(plan_type: type) -> None:
+    """Raises the active backend's own error for `plan_type` when the
+    backend refuses such plans (its `CAPABILITIES.refused_plans`), before
+    any runtime or process starts.
+
+    Raises:
+        UnsupportedBackendError: from the backend's `ENGINES` entry, or
+            for a Keras backend keras_dist cannot drive.
+    """
+    module = get()
+    if plan_type in module.CAPABILITIES.refused_plans:
+        module.ENGINES[plan_type](None, None, None)
+
+
 def dispatch(engines: dict, plan, runtime, input_options):
     """Builds the engine a backend registers for `plan`'s type.
 

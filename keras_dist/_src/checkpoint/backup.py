@@ -12,16 +12,11 @@ at the start of the interrupted epoch before Keras draws its order.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import secrets
 import signal
 import sys
-import time
 
 import keras
-import numpy as np
 
 from keras_dist._src.checkpoint import format as fmt
 from keras_dist._src.checkpoint import (
@@ -31,33 +26,27 @@ from keras_dist._src.checkpoint import (
     state,
 )
 from keras_dist._src.checkpoint import manager as manager_lib
+from keras_dist._src.checkpoint.backup_dir import (
+    _OWNER_TEMP,
+    OWNER_FILE,
+    _claim,
+    _log,
+    _remove_file,
+)
+from keras_dist._src.checkpoint.callback_states import (
+    _callback_states,
+    _set_callback_states,
+)
 from keras_dist._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
+from keras_dist._src.checkpoint.resume import (
+    EPOCH_RNG_PREFIX,
+    INPUT_RNG_PREFIX,
+    _Resume,
+)
 from keras_dist._src.keras_glue import internals as glue
 
-EPOCH_RNG_PREFIX = "epoch_begin/"
-#: The random states of the input's own generators (`input_replay`).
-INPUT_RNG_PREFIX = "input_rng/"
-CALLBACK_PREFIX = "callbacks/"
-#: Keras callbacks whose state a resume restores, by the attributes that
-#: hold it (Keras resets them in `on_train_begin`; a resumed run would
-#: otherwise stop, or reduce the learning rate, later than an
-#: uninterrupted one). EarlyStopping's `best_weights` go with them.
-CALLBACK_STATE = (
-    (
-        keras.callbacks.EarlyStopping,
-        ("wait", "stopped_epoch", "best", "best_epoch"),
-    ),
-    (keras.callbacks.ReduceLROnPlateau, ("wait", "best", "cooldown_counter")),
-    (keras.callbacks.ModelCheckpoint, ("best",)),
-)
-#: The file that marks a directory as a `BackupAndRestore` backup: written
-#: (atomically) when the callback creates or claims an empty directory.
-OWNER_FILE = "keras_dist_backup.json"
-OWNER = "keras_dist.callbacks.BackupAndRestore"
-_OWNER_TEMP = re.compile(r"^\.keras_dist_backup\.json\.tmp-[0-9a-f]+$")
 
-
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(_Resume, keras.callbacks.Callback):
     """Backs up the training state; resumes an interrupted `fit` exactly.
 
     Saves a complete, atomic checkpoint (variables, optimizer, metrics,
@@ -296,113 +285,6 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         self._unwrap_list = unwrap
 
-    def _restore(self, model, path, metadata, arrays):
-        manager_lib.apply(model, arrays, metrics=False)
-        position = metadata.get("position", {})
-        epoch = int(position.get("epoch", 0))
-        step = int(position.get("step_in_epoch", 0))
-        self._global_step = int(position.get("global_step", metadata["step"]))
-        self._last_saved = self._global_step
-        self._last_saved_at = (epoch, step)
-        self._epoch = epoch
-        self.restored_from = path
-        glue.set_initial_epoch(model, epoch or None)
-        self._resume = {
-            "epoch": epoch,
-            "step": step,
-            "rng": state.rng_arrays(arrays),
-            "epoch_rng": state.unprefixed(arrays, EPOCH_RNG_PREFIX),
-            "arrays": arrays,
-            "callbacks": (metadata.get("user") or {}).get("callbacks") or {},
-            "inputs": position.get("input_iterators"),
-            "input_rng": state.unprefixed(arrays, INPUT_RNG_PREFIX),
-        }
-        saved_steps = position.get("steps_per_epoch")
-        steps = self._steps()
-        if step and saved_steps and steps and saved_steps != steps:
-            _log(
-                self._runtime,
-                f"warning: the backup was written with {saved_steps} steps "
-                f"per epoch, this fit has {steps}; resuming at step {step} "
-                "of the epoch will not match the interrupted run.",
-            )
-        spe = int(getattr(model, "steps_per_execution", 1) or 1)
-        if step:
-            self._install_skip(model, -(-step // spe), spe)
-        _log(
-            self._runtime,
-            f"resuming from {path} ({self._where(epoch, step)}, global "
-            f"step {self._global_step}).",
-        )
-
-    def _steps(self):
-        """Steps per epoch of this fit (None while unknown)."""
-        steps = (self.params or {}).get("steps")
-        return int(steps) if steps else None
-
-    def _where(self, epoch: int, step: int) -> str:
-        """A position as people count it: ``at epoch 2, step 3 of 5`` or,
-        at an epoch's boundary, ``after epoch 2 of 2`` (1-based)."""
-        epochs = (self.params or {}).get("epochs")
-        if step == 0 and epoch > 0:
-            return f"after epoch {epoch}" + (f" of {epochs}" if epochs else "")
-        steps = self._steps()
-        return f"at epoch {epoch + 1}, step {step}" + (
-            f" of {steps}" if steps else ""
-        )
-
-    def _install_skip(self, model, calls, spe):
-        """The next `calls` train-function calls only consume their data."""
-        original = model.train_function
-        backend = keras.backend.backend()
-        remaining = [calls]
-
-        def skip(*args, **kwargs):
-            remaining[0] -= 1
-            if remaining[0] <= 0:
-                model.train_function = original
-            # JAX: (state, iterator); TensorFlow: (iterator,); torch:
-            # (list of the call's batches, already drawn).
-            data = args[1] if backend == "jax" else args[0]
-            if isinstance(data, (list, tuple)):
-                batches = list(data)
-            else:  # as Keras's step: the last call of an epoch may be short
-                batches = [next(data)]
-                for _ in range(spe - 1):
-                    try:
-                        batches.append(next(data))
-                    except StopIteration:
-                        break
-            if remaining[0] == calls - 1 and self._metrics_pending:
-                self._restore_metrics(model, batches[0])
-            self._skipped_call = True
-            logs = {}
-            if remaining[0] <= 0:
-                # The epoch may end here (every step of it was trained):
-                # logs with the metrics' names make Keras report the
-                # restored metrics as the epoch's logs.
-                keys = self._metric_keys
-                if keys is None:
-                    keys = list(model.get_metrics_result())
-                logs = {key: 0.0 for key in keys}
-            return (logs, args[0]) if backend == "jax" else logs
-
-        self._skipping = calls
-        self._unskip = lambda: setattr(model, "train_function", original)
-        model.train_function = skip
-
-    def _restore_metrics(self, model, batch=None):
-        """Restores the metrics' state of the interrupted epoch."""
-        self._metrics_pending = False
-        metrics = glue.compile_metrics(model)
-        if metrics is not None and not metrics.built:
-            # Keras on TensorFlow without a strategy builds compiled metrics
-            # when it traces the step; build them now, from a batch.
-            glue.symbolic_build(model, batch)
-        pairs = state.match(model, self._resume["arrays"], groups=("metrics",))
-        with runtime_glue.scope_of(model):
-            state.assign(pairs)
-
     # -- epochs and steps ----------------------------------------------------
     def on_epoch_begin(self, epoch, logs=None):
         """On the resumed epoch, replays the input to the saved step and
@@ -605,165 +487,3 @@ def _fit_frame(model):
             return frame
         frame = frame.f_back
     return None
-
-
-def _log(runtime, message: str) -> None:
-    if runtime is None or runtime.is_chief:
-        sys.stderr.write(f"keras_dist: {message}\n")
-        sys.stderr.flush()
-
-
-def _is_ours(name: str) -> bool:
-    """Whether `name` is one a `BackupAndRestore` directory may hold."""
-    return (
-        name == OWNER_FILE
-        or fmt.step_of(name) is not None
-        or bool(fmt.TEMP_NAME.match(name))
-        or bool(_OWNER_TEMP.match(name))
-    )
-
-
-def _claim(directory: str):
-    """Claims `directory` for a backup, or says why not.
-
-    Returns:
-        ``(problem, owned)``: an error message or None, and the names of
-        the checkpoints already there (ours when the marker is).
-    """
-    if os.path.lexists(directory) and not os.path.isdir(directory):
-        return (
-            f"BackupAndRestore's backup_dir {directory!r} is not a "
-            "directory. Pass a new or empty directory.",
-            [],
-        )
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    if OWNER_FILE not in names:
-        if names:
-            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            return (
-                f"BackupAndRestore will not use backup_dir {directory!r}: "
-                f"it holds files this callback did not write ({shown}) and "
-                f"no {OWNER_FILE} marker. The callback resumes from and "
-                "deletes only a backup of its own, so it leaves this "
-                "directory untouched. Pass a new or empty directory (e.g. "
-                "a subdirectory) as backup_dir.",
-                [],
-            )
-        os.makedirs(directory, exist_ok=True)
-        _write_owner(directory)
-        return None, []
-    problem = _owner_problem(os.path.join(directory, OWNER_FILE))
-    foreign = [n for n in names if not _is_ours(n)]
-    if problem is None and foreign:
-        # Put there after the claim (a ModelCheckpoint writing into the
-        # same directory, say): refusing would leave a preempted job that
-        # has a backup unable to resume. They are never read or removed.
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        _log(
-            None,
-            f"backup_dir {directory!r} also holds files BackupAndRestore "
-            f"did not write ({shown}); it leaves them untouched (and so "
-            "the directory at the end). Give the callback a directory of "
-            "its own.",
-        )
-    if problem is not None:
-        return (
-            f"BackupAndRestore will not use backup_dir {directory!r}: "
-            f"{problem}. It leaves the directory untouched; move those "
-            "files away or pass a new or empty directory.",
-            [],
-        )
-    return None, [n for n in names if fmt.step_of(n) is not None]
-
-
-def _owner_problem(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            record = json.loads(f.read(1 << 16))
-    except (OSError, ValueError) as error:
-        return f"its {OWNER_FILE} is unreadable ({error})"
-    if not isinstance(record, dict) or record.get("owner") != OWNER:
-        return f"its {OWNER_FILE} does not name {OWNER}"
-    return None
-
-
-def _write_owner(directory: str) -> None:
-    """Writes `OWNER_FILE` atomically (a temporary file, then a rename)."""
-    record = {"owner": OWNER, "format_version": 1, "created": time.time()}
-    final = os.path.join(directory, OWNER_FILE)
-    temp = os.path.join(directory, f".{OWNER_FILE}.tmp-{secrets.token_hex(4)}")
-    try:
-        fmt.write_bytes(temp, json.dumps(record).encode())
-        os.replace(temp, final)
-    finally:
-        _remove_file(temp)
-    fmt.fsync_dir(directory)
-
-
-def _remove_file(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _stateful(callbacks):
-    """(key, callback, attribute names) of the callbacks whose state a
-    resume restores; the key counts callbacks of one kind in list order."""
-    counts = {}
-    for callback in callbacks:
-        for kind, names in CALLBACK_STATE:
-            if isinstance(callback, kind):
-                index = counts.get(kind.__name__, 0)
-                counts[kind.__name__] = index + 1
-                yield f"{kind.__name__}/{index}", callback, names
-                break
-
-
-def _plain(value):
-    """`value` as a JSON number (or None, a bool); `...` when it is not one
-    (not saved)."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return float(value)
-    try:  # a 0-d array or a backend's scalar tensor
-        array = np.asarray(value)
-    except Exception:
-        return ...
-    if array.shape == () and array.dtype.kind in "biuf":
-        return _plain(array.item())
-    return ...
-
-
-def _callback_states(callbacks):
-    """({key: {attribute: value}}, {array key: array}) of `callbacks`."""
-    scalars, arrays = {}, {}
-    for key, callback, names in _stateful(callbacks):
-        values = {}
-        for name in names:
-            value = _plain(getattr(callback, name, ...))
-            if value is not ...:
-                values[name] = value
-        scalars[key] = values
-        weights = getattr(callback, "best_weights", None)
-        if isinstance(callback, keras.callbacks.EarlyStopping) and weights:
-            for i, weight in enumerate(weights):
-                name = f"{CALLBACK_PREFIX}{key}/best_weights/{i:05d}"
-                arrays[name] = np.asarray(weight)
-    return scalars, arrays
-
-
-def _set_callback_states(callbacks, scalars, arrays) -> None:
-    """Gives `callbacks` the state `_callback_states` saved."""
-    for key, callback, _ in _stateful(callbacks):
-        for name, value in (scalars.get(key) or {}).items():
-            setattr(callback, name, value)
-        prefix = f"{CALLBACK_PREFIX}{key}/best_weights/"
-        weights = sorted(
-            (k, v) for k, v in arrays.items() if k.startswith(prefix)
-        )
-        if weights and isinstance(callback, keras.callbacks.EarlyStopping):
-            callback.best_weights = [np.asarray(v) for _, v in weights]

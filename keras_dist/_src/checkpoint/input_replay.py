@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import sys
 
-import keras
 import numpy as np
 
+from keras_dist._src import backends as backend_lib
 from keras_dist._src.keras_glue import internals as glue
 
 
@@ -53,7 +53,8 @@ class InputPosition:
     """
 
     def __init__(self, epoch_iterator):
-        self.backend = keras.backend.backend()
+        self.backend = backend_lib.name()  # recorded: counts stay per backend
+        self._native_tf_data = backend_lib.capabilities().native_tf_data
         self.at_epoch_begin = 0
         self._made = 0  # where this object counts
         self._lazy = None  # keras_dist's distributed input, which counts
@@ -75,7 +76,7 @@ class InputPosition:
             self._follow_dataset(epoch_iterator, datasets[0])
 
     def _follow_dataset(self, epoch_iterator, dataset) -> None:
-        if self.backend != "tensorflow":
+        if not self._native_tf_data:
             self._per_epoch = True
             self._make = lambda: iter(dataset)
             return

@@ -385,15 +385,15 @@ def restore_rng(arrays: dict) -> None:
 
 def _tf_context_rng():
     """TensorFlow's eager op-seed generator (a `random.Random`), if set."""
-    if "tensorflow" not in sys.modules or keras.backend.backend() != (
-        "tensorflow"
-    ):
+    from keras_dist._src import backends as backend_lib
+
+    generator = backend_lib.capabilities().op_seed_generator
+    if generator is None:
         return None
     try:
-        from tensorflow.python.eager import context
+        rng = generator()
     except ImportError:  # pragma: no cover
         return None
-    rng = getattr(context.context(), "_rng", None)
     return rng if isinstance(rng, random.Random) else None
 
 
@@ -422,9 +422,10 @@ def unprefixed(arrays: dict, prefix: str) -> dict:
 # -- versions --
 def versions() -> dict:
     """Versions of keras_dist, Keras, the backend framework and Python."""
+    from keras_dist._src import backends as backend_lib
     from keras_dist._src.version import __version__
 
-    backend = keras.backend.backend()
+    backend = backend_lib.name()
     module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(
         backend
     )

@@ -137,7 +137,6 @@ def _reseeded(dataset, graph, seeds):
     each with a seed generator of its own made from them (as
     ``Dataset.shuffle`` makes one)."""
     import tensorflow as tf
-    from tensorflow.python.data.ops import dataset_ops
 
     for (seed, seed2, node, by_name), pair in zip(
         _shuffle_seed_nodes(graph), seeds
@@ -152,7 +151,7 @@ def _reseeded(dataset, graph, seeds):
                 source.op = "DummySeedGenerator"
                 source.ClearField("attr")
     variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
-    return dataset_ops._VariantDataset(variant, dataset.element_spec)
+    return tf.data.experimental.from_variant(variant, dataset.element_spec)
 
 
 def agree_on_order(dataset, what: str, runtime):
@@ -295,10 +294,10 @@ def _global_batch_size(dataset):
     The static batch size tf.distribute computes from the dataset's graph;
     else the size of its first batch.
     """
-    from tensorflow.python.data.experimental.ops import distribute
+    from keras_dist._src.framework_glue import tensorflow_private
 
     try:
-        size = int(distribute.compute_batch_size(dataset))
+        size = int(tensorflow_private.static_batch_size(dataset))
     except Exception:  # noqa: BLE001 - not computable statically.
         size = -1
     if size > 0:
@@ -309,10 +308,10 @@ def _global_batch_size(dataset):
 
 
 def _file_shard(dataset, rank, world):
-    from tensorflow.python.distribute import input_ops
+    from keras_dist._src.framework_glue import tensorflow_private
 
     global_batch = _global_batch_size(dataset)
-    sharded = input_ops.auto_shard_dataset(dataset, world, rank, world)
+    sharded = tensorflow_private.auto_shard_dataset(dataset, world, rank, world)
     local = local_batch_size(global_batch, rank, world)
     if local == 0:
         raise ValueError(

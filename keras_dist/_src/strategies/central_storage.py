@@ -37,12 +37,9 @@ class CentralStorageStrategy(Strategy):
     topology = "mirrored"
 
     def __init__(self, devices: Sequence[str] | None = None):
-        if backend_lib.name() == "torch":
-            # Before the runtime: on torch it would start a process per
-            # device only for the engine to refuse.
-            from keras_dist._src.backends.torch import central_storage
-
-            central_storage.create_engine(None, None, None)
+        # Before the runtime: on torch it would start a process per
+        # device only for the engine to refuse.
+        backend_lib.refuse_unsupported(CentralStoragePlan)
         if devices is None:
             devices = backend_lib.get().default_devices()
         super().__init__(list(devices), sync_batch_norm=True)

@@ -51,13 +51,8 @@ class ParameterServerStrategy(Strategy):
     topology = "mirrored"  # the chief is one process; its runtime is local
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None):
-        module = backend_lib.get()
-        if module.NAME != "tensorflow":  # the backend's clear error
-            module.create_engine(
-                ParameterServerPlan(topology=self.topology, devices=()),
-                None,
-                None,
-            )
+        # The backend's clear error, before any runtime starts.
+        backend_lib.refuse_unsupported(ParameterServerPlan)
         task = _task_from(cluster_resolver)
         if task.task_type in ("worker", "ps"):
             serve(task)  # blocks: this task serves the chief until killed

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keras_dist._src import backends as backend_lib
-from keras_dist._src.errors import LayoutError, UnsupportedBackendError
+from keras_dist._src.errors import LayoutError
 from keras_dist._src.plan import LayoutMap, TPUPlan
 from keras_dist._src.strategy import Strategy
 
@@ -51,35 +51,16 @@ class TPUStrategy(Strategy):
         axis_names: Sequence[str] | None = None,
         layout_map=None,
     ):
-        name = backend_lib.name()
-        if name == "torch":
-            raise UnsupportedBackendError(
-                "TPUStrategy is not available on the torch backend: there is "
-                "no torch_xla release for this torch. Run the same script "
-                "with KERAS_BACKEND=jax (pip install 'jax[tpu]' on the TPU "
-                "VM), where TPUStrategy builds a topology-aware mesh."
-            )
+        backend_lib.refuse_unsupported(TPUPlan)
         self._tpu = tpu
         self._mesh_shape = _check_shape(mesh_shape, axis_names)
         self._axis_names = None if axis_names is None else tuple(axis_names)
         self._layout_map = (
             None if layout_map is None else LayoutMap.from_any(layout_map)
         )
-        environment = None
-        self.topology = "mirrored"
-        if name == "jax":
-            from keras_dist._src.backends.jax import tpu as jax_tpu
-
-            environment = jax_tpu.join_tpu_job()
-            devices = [f"{d.platform}:{d.id}" for d in jax_tpu.tpu_devices()]
-            if environment is not None:
-                self.topology = "multi_worker"
-                devices = None  # every chip of every host, once joined
-        else:
-            from keras_dist._src.backends.tensorflow import tpu as tf_tpu
-
-            tf_tpu.connect(tpu)
-            devices = backend_lib.get().list_devices("tpu")
+        connect = backend_lib.capabilities().connect_tpu
+        environment, devices = connect(tpu)
+        self.topology = "mirrored" if environment is None else "multi_worker"
         super().__init__(devices, sync_batch_norm=True, environment=environment)
 
     def _make_plan(self, devices):

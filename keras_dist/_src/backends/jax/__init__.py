@@ -7,6 +7,7 @@ functions and holds `ENGINES`, the registry of plan type -> engine.
 
 from keras_dist._src import plan as _plan
 from keras_dist._src.backends import dispatch as _dispatch
+from keras_dist._src.backends.contract import Capabilities as _Capabilities
 from keras_dist._src.backends.jax import (
     central_storage,
     data_parallel,
@@ -42,8 +43,15 @@ def create_engine(plan, runtime, input_options):
 
 
 NAME = "jax"
+#: What the shared code needs to know of this backend.
+CAPABILITIES = _Capabilities(
+    stateful_train_function=True,
+    refused_plans=(_plan.ParameterServerPlan,),
+    connect_tpu=tpu.connect_tpu,
+)
 
 __all__ = [
+    "CAPABILITIES",
     "NAME",
     "create_engine",
     "create_runtime",

@@ -47,12 +47,9 @@ def default_devices() -> list[str]:
 
 
 def backends_initialized() -> bool:
-    from jax._src import xla_bridge
+    from keras_dist._src.framework_glue import jax_private
 
-    check = getattr(xla_bridge, "backends_are_initialized", None)
-    if check is not None:
-        return bool(check())
-    return bool(getattr(xla_bridge, "_backends", {}))
+    return jax_private.backends_initialized()
 
 
 def simulate_cpu_devices(count: int) -> None:

@@ -25,6 +25,7 @@ from keras_dist._src.cluster.environments import (
 )
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.errors import KerasDistError
+from keras_dist._src.framework_glue import jax_private
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
 
@@ -69,9 +70,7 @@ class JaxRuntime(HostRuntime):
 
     @staticmethod
     def _client():
-        from jax._src import distributed
-
-        return distributed.global_state.client
+        return jax_private.distributed_client()
 
     @property
     def has_key_values(self) -> bool:
@@ -98,9 +97,7 @@ _left = False
 
 def _initialize(environment: ClusterEnvironment) -> None:
     """Joins the JAX job (once), before JAX's backends start."""
-    from jax._src import distributed
-
-    if distributed.global_state.client is not None:
+    if jax_private.distributed_client() is not None:
         return  # already initialised (by the user or an earlier strategy)
     if _left:
         raise supervision.rejoin_error("jax.distributed")
@@ -150,7 +147,7 @@ def _initialize(environment: ClusterEnvironment) -> None:
     _exit_on_uncaught_exception()
     # Before JAX's shutdown barrier (exit handlers run last-in first-out):
     # a call still waiting for this process fails at once.
-    client = distributed.global_state.client
+    client = jax_private.distributed_client()
     atexit.register(
         supervision.leave_job,
         environment.rank,
@@ -222,21 +219,8 @@ def _gloo_on(host: str) -> None:
     loopback address of a one-host job. Must run before the CPU backend
     starts (right after ``jax.distributed.initialize``).
     """
-    from jax._src import distributed, xla_bridge
-    from jax._src.lib import _jax
-
-    client = distributed.global_state.client
-
-    def make_cpu_client():
-        collectives = _jax.make_gloo_tcp_collectives(
-            distributed_client=client, hostname=host
-        )
-        return xla_bridge.make_cpu_client(collectives=collectives)
-
     try:
-        xla_bridge.register_backend_factory(
-            "cpu", make_cpu_client, priority=0, fail_quietly=False
-        )
+        jax_private.register_cpu_backend_with_gloo_on(host)
     except (AttributeError, TypeError) as error:  # another JAX release
         supervision.log(
             f"cannot bind JAX's gloo collectives to {host} ({error}); they "

@@ -22,6 +22,7 @@ from jax.experimental import mesh_utils
 from keras_dist._src.backends.jax import sharded
 from keras_dist._src.cluster.environments import ClusterEnvironment
 from keras_dist._src.errors import LayoutError, TPUNotFoundError
+from keras_dist._src.framework_glue import jax_private
 from keras_dist._src.plan import DeviceMesh, LayoutMap, LayoutPlan
 
 _INSTALL = (
@@ -42,9 +43,7 @@ def join_tpu_job() -> ClusterEnvironment | None:
     Raises:
         TPUNotFoundError: when `jax.distributed.initialize` fails.
     """
-    from jax._src import distributed
-
-    if distributed.global_state.client is None:
+    if jax_private.distributed_client() is None:
         if not _on_cloud_tpu_vm():
             return None
         from keras_dist._src.backends.jax.devices import backends_initialized
@@ -66,7 +65,7 @@ def join_tpu_job() -> ClusterEnvironment | None:
                 ) from error
     if jax.process_count() == 1:
         return None
-    address = distributed.global_state.coordinator_address or ""
+    address = jax_private.coordinator_address() or ""
     host, _, port = address.rpartition(":")
     return ClusterEnvironment(
         source="cloud_tpu",
@@ -77,12 +76,24 @@ def join_tpu_job() -> ClusterEnvironment | None:
     )
 
 
+def connect_tpu(tpu=None):
+    """`TPUStrategy`'s connection on JAX: joins the job of every host of
+    a Cloud TPU slice, if any (`tpu` is TensorFlow's; unused here).
+
+    Returns:
+        ``(environment, devices)``: this process's place in the job and
+        None (every chip of every host), or None and this host's chips.
+    """
+    del tpu
+    environment = join_tpu_job()
+    devices = [f"{d.platform}:{d.id}" for d in tpu_devices()]
+    if environment is not None:
+        devices = None  # every chip of every host, once joined
+    return environment, devices
+
+
 def _on_cloud_tpu_vm() -> bool:
-    try:
-        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm
-    except ImportError:  # another JAX release
-        return False
-    return bool(running_in_cloud_tpu_vm)
+    return jax_private.running_in_cloud_tpu_vm()
 
 
 def _multi_host_hint() -> bool:

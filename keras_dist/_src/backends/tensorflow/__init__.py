@@ -17,6 +17,7 @@ own step). `data_parallel.create_engine` picks the policy of a
 
 from keras_dist._src import plan as _plan
 from keras_dist._src.backends import dispatch as _dispatch
+from keras_dist._src.backends.contract import Capabilities as _Capabilities
 from keras_dist._src.backends.tensorflow import (
     central_storage,
     data_parallel,
@@ -34,6 +35,9 @@ from keras_dist._src.backends.tensorflow.devices import (
     variables_distributed,
 )
 from keras_dist._src.backends.tensorflow.runtime import create_runtime
+from keras_dist._src.framework_glue import (
+    tensorflow_private as _tensorflow_private,
+)
 
 #: Which engine runs each plan type (a strategy's plan -> its policy).
 ENGINES = {
@@ -52,8 +56,15 @@ def create_engine(plan, runtime, input_options):
 
 
 NAME = "tensorflow"
+#: What the shared code needs to know of this backend.
+CAPABILITIES = _Capabilities(
+    native_tf_data=True,
+    op_seed_generator=_tensorflow_private.eager_op_seed_generator,
+    connect_tpu=tpu.connect_tpu,
+)
 
 __all__ = [
+    "CAPABILITIES",
     "NAME",
     "create_engine",
     "create_runtime",

@@ -201,9 +201,9 @@ class _CentralValues:
 
 
 def _is_aggregating(value) -> bool:
-    from tensorflow.python.distribute import ps_values
+    from keras_dist._src.framework_glue import tensorflow_private
 
-    return isinstance(value, ps_values.AggregatingVariable)
+    return tensorflow_private.is_aggregating_variable(value)
 
 
 def create_engine(plan, runtime, input_options):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 from keras import tree
-from tensorflow.python.data.experimental.ops import (
-    distribute as tfdata_distribute,
-)
 
 from keras_dist._src.context import current_call
 from keras_dist._src.core.inputs import DistributedDataset
+from keras_dist._src.framework_glue import tensorflow_private
 
 GLOBAL_COUNT_KEY = "keras_dist_global_count"
 
@@ -77,7 +75,7 @@ def distribute_global_batches(strategy, dataset, options=None):
         not extended._in_multi_worker_mode()
         or len(extended.worker_devices) == 1
     )
-    if native_order and int(tfdata_distribute.compute_batch_size(dataset)) >= 0:
+    if native_order and int(tensorflow_private.static_batch_size(dataset)) >= 0:
         if with_count:
 
             def add_count(*batch):

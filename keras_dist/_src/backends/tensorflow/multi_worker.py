@@ -26,10 +26,6 @@ import random
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import (
-    collective_all_reduce_strategy as tf_collective,
-)
-from tensorflow.python.distribute import distribute_lib
 
 from keras_dist._src.backends.tensorflow.inputs import (
     distribute_global_batches,
@@ -41,6 +37,7 @@ from keras_dist._src.core import policies
 from keras_dist._src.core.lockstep import GatheredAdapter
 from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.errors import VariablesOutsideScopeError
+from keras_dist._src.framework_glue import tensorflow_private
 
 
 def _cluster_resolver(environment):
@@ -96,7 +93,9 @@ def simulated_cpu_count() -> int:
     return len(configuration) if configuration else 1
 
 
-class _CollectiveExtended(tf_collective.CollectiveAllReduceExtended):
+class _CollectiveExtended(
+    tensorflow_private.collective_all_reduce_extended_class()
+):
     """tf.distribute's multi-worker implementation, with a replica on each
     simulated CPU device of a worker without GPUs (tf.distribute's own
     rule is one CPU replica per worker). GPUs and TPUs are left as
@@ -119,7 +118,7 @@ def _init(self, cluster_resolver=None, communication_options=None):
     options = communication_options
     if options is None:
         options = tf.distribute.experimental.CommunicationOptions()
-    distribute_lib.Strategy.__init__(
+    tf.distribute.Strategy.__init__(
         self,
         _CollectiveExtended(
             self,
@@ -222,30 +221,26 @@ def tf_seed_state() -> np.ndarray:
     global seed gets one drawn here at random (its random ops stay as
     random as before), so that the chief has a state to hand on.
     """
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    if ctx._seed is None:  # noqa: SLF001 - TF keeps its eager seed here
+    if tensorflow_private.eager_global_seed() is None:
         tf.random.set_seed(random.SystemRandom().randrange(2**31))
-    version, keys, gauss = ctx._rng.getstate()  # noqa: SLF001
+    rng = tensorflow_private.eager_op_seed_generator()
+    version, keys, gauss = rng.getstate()
     gauss_bits = np.array([gauss or 0.0], np.float64).view(np.int64)
-    head = [int(ctx._seed), version, int(gauss is not None)]  # noqa: SLF001
+    seed = int(tensorflow_private.eager_global_seed())
+    head = [seed, version, int(gauss is not None)]
     return np.concatenate([np.asarray(head, np.int64), gauss_bits, keys])
 
 
 def set_tf_seed_state(vector: np.ndarray) -> None:
     """Sets TensorFlow's global seed and op-seed generator from
     `tf_seed_state`'s vector."""
-    from tensorflow.python.eager import context
-
     seed, version, has_gauss = (int(v) for v in vector[:3])
     gauss = float(vector[3:4].view(np.float64)[0]) if has_gauss else None
-    ctx = context.context()
-    if ctx._seed != seed:  # noqa: SLF001
+    if tensorflow_private.eager_global_seed() != seed:
         # Also clears TensorFlow's kernel caches, which restarts the
         # reshuffling of datasets made before: only when it changes.
         tf.random.set_seed(seed)
-    ctx._rng.setstate(  # noqa: SLF001
+    tensorflow_private.eager_op_seed_generator().setstate(
         (version, tuple(int(v) for v in vector[4:]), gauss)
     )
 

@@ -20,13 +20,12 @@ from keras_dist._src.cluster import supervision
 from keras_dist._src.cluster.environments import detect_environment
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.errors import KerasDistError
+from keras_dist._src.framework_glue import tensorflow_private
 from keras_dist._src.runtime import HostRuntime, LocalRuntime
 
 
 def _context():
-    from tensorflow.python.eager import context
-
-    return context.context()
+    return tensorflow_private.eager_context()
 
 
 class _StoreRuntime(HostRuntime):

@@ -27,6 +27,19 @@ from keras_dist._src.errors import TPUNotFoundError
 _RESOLVED = {}
 
 
+def connect_tpu(tpu=None):
+    """`TPUStrategy`'s connection on TensorFlow: connects to `tpu`
+    (`connect`).
+
+    Returns:
+        ``(None, devices)``: this process's TPU devices.
+    """
+    from keras_dist._src.backends.tensorflow.devices import list_devices
+
+    connect(tpu)
+    return None, list_devices("tpu")
+
+
 def connect(tpu=None):
     """Resolves `tpu`, connects to it and initializes its TPU system (once
     per address); returns the `TPUClusterResolver`.

@@ -11,6 +11,7 @@ glue every plan needs; each plan type has a small policy subclass of it:
 
 from keras_dist._src import plan as _plan
 from keras_dist._src.backends import dispatch as _dispatch
+from keras_dist._src.backends.contract import Capabilities as _Capabilities
 from keras_dist._src.backends.parameter_server import unsupported_engine
 from keras_dist._src.backends.torch import (
     central_storage,
@@ -46,8 +47,18 @@ def create_engine(plan, runtime, input_options):
 
 
 NAME = "torch"
+#: What the shared code needs to know of this backend.
+CAPABILITIES = _Capabilities(
+    process_per_device=True,
+    refused_plans=(
+        _plan.ParameterServerPlan,
+        _plan.CentralStoragePlan,
+        _plan.TPUPlan,
+    ),
+)
 
 __all__ = [
+    "CAPABILITIES",
     "NAME",
     "create_engine",
     "create_runtime",

@@ -155,11 +155,9 @@ def export_state(value, is_chief: bool = True):
 
 
 def _local_shape_and_offset(value):
-    from torch.distributed.tensor._utils import (
-        compute_local_shape_and_global_offset,
-    )
+    from keras_dist._src.framework_glue import torch_private
 
-    return compute_local_shape_and_global_offset(
+    return torch_private.local_shape_and_global_offset(
         tuple(value.shape), value.device_mesh, value.placements
     )
 

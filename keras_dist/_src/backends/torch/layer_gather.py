@@ -42,6 +42,7 @@ import torch
 from keras import tree
 from torch.distributed.tensor import DTensor, Replicate
 
+from keras_dist._src.framework_glue import torch_private
 from keras_dist._src.keras_glue import internals as glue
 
 # torch 2.13 renamed `all_gather_into_tensor` (which now warns).
@@ -255,7 +256,7 @@ class _Group:
         token; any other tensor is kept."""
         if not isinstance(tensor, DTensor):
             return tensor
-        local = tensor._local_tensor
+        local = torch_private.dtensor_local_tensor(tensor)
         found = self.storages.get(local.untyped_storage().data_ptr())
         if found is None:
             return tensor

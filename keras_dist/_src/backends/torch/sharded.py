@@ -80,6 +80,7 @@ from keras_dist._src.backends.torch.steps import (
 )
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import LayoutError, UnsupportedBackendError
+from keras_dist._src.framework_glue import torch_private
 from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.keras_glue import torch_variables
 from keras_dist._src.options import InputOptions, ShardPolicy
@@ -269,7 +270,7 @@ def flatten_axes(torch_mesh, mesh) -> None:
     axes = [n for n, k in zip(mesh.axis_names, mesh.shape) if k > 1]
     for size in range(2, len(axes) + 1):
         for names in itertools.combinations(axes, size):
-            torch_mesh[names]._flatten()
+            torch_private.flatten_mesh(torch_mesh[names])
 
 
 def _draw_global_mask(engine):

@@ -15,5 +15,6 @@ def create_engine(plan, runtime, input_options):
     raise UnsupportedBackendError(
         "TPUStrategy is not available on the torch backend: there is no "
         "torch_xla release for this torch. Run the same script with "
-        "KERAS_BACKEND=jax (pip install 'jax[tpu]' on the TPU VM)."
+        "KERAS_BACKEND=jax (pip install 'jax[tpu]' on the TPU VM), where "
+        "TPUStrategy builds a topology-aware mesh."
     )
