@@ -10,7 +10,9 @@ steps of the models in its scope and sums their metrics itself, so:
   scope) must stay a one-process model: no DDP set-up waiting for ranks
   that never come;
 * a count metric reads the number of samples of one device, not twice it;
-* `steps_per_execution` > 1 runs a group of batches per call, exact.
+* `steps_per_execution` > 1 runs a group of batches per call, exact;
+* arrays that differ between the processes (data made before the
+  strategy, unseeded) get a clear warning.
 
 The part runs in the torch tests' shared job on either Keras.
 """
@@ -104,6 +106,19 @@ for steps in (1, 3):
         model = build()
         model.set_weights(initial)
     result[f"spe{steps}"] = train(model, steps, strategy.scope())
+# Data made before the strategy from an unseeded generator differs
+# between the processes: a clear warning on the chief.
+import warnings
+with strategy.scope():
+    model = build()
+    model.compile("sgd", "mse")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.fit(x + rank, y, batch_size=8, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+result["differ_warnings"] = [
+    str(w.message) for w in caught if "different arrays" in str(w.message)
+]
 with open(f"{out}.r{rank}.json", "w") as f:
     json.dump(result, f)
 """
@@ -159,3 +174,8 @@ def test_keras_torch_trainer_leaves_keras_dist_the_step(torch_parts):
             np.testing.assert_allclose(
                 got["predict"], reference["predict"], rtol=1e-4, atol=1e-6
             )
+    # Different arrays on the two processes: one warning, on the chief,
+    # naming process 1; the same arrays: none.
+    (message,) = chief["differ_warnings"]
+    assert "process(es) [1]" in message and "ShardPolicy.OFF" in message
+    assert ranks[1]["differ_warnings"] == []

@@ -29,11 +29,15 @@ gathered into the global one). Step ``k``'s global batch is every process's
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import re
+import warnings
 import weakref
 
 import keras
+import numpy as np
+from keras import tree
 
 from keras_dist._src import output
 from keras_dist._src.core.shards import shard_size
@@ -239,6 +243,56 @@ def agree_on_order(dataset, what: str, runtime):
     return rebuilt
 
 
+def _fingerprint(arrays) -> np.ndarray:
+    """A digest of the shapes, dtypes and a strided sample of the values
+    of `arrays` (about 4096 values each: cheap on large inputs)."""
+    digest = hashlib.sha1()
+    for a in tree.flatten(arrays):
+        if a is None:
+            continue
+        a = np.asarray(a)
+        digest.update(repr((a.shape, a.dtype.str)).encode())
+        flat = a.reshape(-1)
+        if flat.dtype == object:
+            continue
+        sample = flat[:: max(1, flat.size // 4096)]
+        digest.update(np.ascontiguousarray(sample).tobytes())
+    return np.frombuffer(digest.digest(), np.uint8).copy()
+
+
+def warn_if_arrays_differ(name: str, arguments: dict, runtime) -> None:
+    """Warns (on the chief) when the processes pass different arrays to
+    `name` under ``ShardPolicy.DATA``, where each process takes its rows
+    of one global array: data made before the strategy from an unseeded
+    generator differs between processes (on torch the script runs once
+    per device), and the job would train on a mix of them, silently. One
+    small all-gather a call; nothing for input that is not arrays."""
+    inputs = tuple(arguments.get(k) for k in ("x", "y", "sample_weight"))
+    try:
+        if not glue.can_convert_arrays(inputs):
+            return
+        mine = _fingerprint(inputs)
+    except (TypeError, ValueError):
+        return
+    gathered = runtime.all_gather(mine)
+    differ = [
+        r
+        for r, theirs in enumerate(gathered)
+        if not np.array_equal(theirs, mine)
+    ]
+    if differ and runtime.is_chief:
+        warnings.warn(
+            f"`{name}`: process(es) {differ} pass different arrays than "
+            "process 0. Each process takes its rows of the same global "
+            "array, so the job would train on a mix of different data. "
+            "Make the data the same everywhere (seed the generator before "
+            "making it: np.random.default_rng(0), or load it from a file), "
+            "or give each process its own share with "
+            "InputOptions(ShardPolicy.OFF).",
+            stacklevel=4,
+        )
+
+
 def resolve_policy(policy: ShardPolicy, x, is_chief: bool = True):
     """Returns the policy applied to input `x` (``AUTO``/``FILE`` resolved).
 
@@ -401,6 +455,8 @@ def prepare_arguments(
     if x_policy is ShardPolicy.DATA and runtime is not None:
         if world > 1 and glue.is_tf_dataset(x):
             arguments["x"] = agree_on_order(x, "x", runtime)
+        elif world > 1:
+            warn_if_arrays_differ(name, arguments, runtime)
     if x_policy is not ShardPolicy.DATA:
         if name == "fit":
             extra = {
