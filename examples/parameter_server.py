@@ -10,14 +10,17 @@ vary a little from run to run. TensorFlow only: JAX and torch have no
 parameter-server engine (row-shard the table under ModelParallel there);
 the script says so and exits.
 
+    KERAS_BACKEND=tensorflow python examples/parameter_server.py
+
 Started without TF_CONFIG, the script starts the whole job on this host
-itself (2 ps, 2 workers, the chief) with keras-dist's launcher, the same
-as running:
+itself (2 ps, 2 workers, the chief: 5 processes) with keras-dist's
+launcher, the same as running:
 
     KERAS_BACKEND=tensorflow keras-dist launch --ps 2 --workers 2 \\
         examples/parameter_server.py
 
-    KERAS_BACKEND=tensorflow python examples/parameter_server.py
+On several hosts, start it on every task with its TF_CONFIG instead
+(guides/parameter_server.md, "Launching").
 """
 
 import os
