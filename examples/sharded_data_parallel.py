@@ -1,13 +1,14 @@
-"""ShardedDataParallel (ZeRO-3 / FSDP style) over 4 devices.
+"""ShardedDataParallel (ZeRO-3 / FSDP style) over every device.
 
 Every variable of at least ``min_size`` elements (and its optimizer
 slots) is split over the devices along its largest divisible dimension;
-each device holds about a quarter of the state MirroredStrategy would
+each of N devices holds about 1/N of the state MirroredStrategy would
 hold, and the results equal one device's. Trains a few steps, then
 prints the split variables and the bytes one device holds, once.
-JAX: 4 simulated CPU devices; torch: the strategy starts 4 processes (one
-per device) by re-running this script. TensorFlow has no layouts: the
-script says so and exits.
+JAX: 4 simulated CPU devices; torch: the strategy starts 2 processes (one
+per device; each a whole Python, so 2 keep the example quick) by
+re-running this script. TensorFlow has no layouts: the script says so
+and exits.
 
     KERAS_BACKEND=jax python examples/sharded_data_parallel.py
     KERAS_BACKEND=torch python examples/sharded_data_parallel.py
@@ -29,7 +30,8 @@ if keras.backend.backend() not in ("jax", "torch"):
         f"{keras.backend.backend()} (set KERAS_BACKEND=jax or torch)"
     )
     sys.exit(0)
-keras_dist.simulate_cpu_devices(4)  # CPU: 4 devices (torch: 4 processes)
+# CPU: simulated devices (torch: processes).
+keras_dist.simulate_cpu_devices(4 if keras.backend.backend() == "jax" else 2)
 
 
 def main():
