@@ -159,7 +159,10 @@ def train_fit(strategy, x, y):
 def main():
     """Trains both ways and prints how far apart the weights are."""
     if keras.backend.backend() not in ("jax", "tensorflow"):
-        raise SystemExit("Run with KERAS_BACKEND=jax or tensorflow.")
+        raise SystemExit(
+            "Run with KERAS_BACKEND=jax or tensorflow (torch: "
+            "examples/custom_loop_torch.py)."
+        )
     strategy = keras_dist.MirroredStrategy()
     x, y = make_data()
     custom = train_custom(strategy, x, y)

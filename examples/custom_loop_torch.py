@@ -15,14 +15,19 @@ import json
 import os
 import sys
 
+import keras
 import numpy as np
 
 import keras_dist
 
+if keras.backend.backend() != "torch":
+    raise SystemExit(
+        "Run with KERAS_BACKEND=torch (JAX and TensorFlow: "
+        "examples/custom_loop.py)."
+    )
 keras_dist.simulate_cpu_devices(2)
 strategy = keras_dist.MirroredStrategy()  # starts rank 1 by re-running this
 
-import keras  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
