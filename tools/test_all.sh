@@ -50,8 +50,8 @@ if [ "$NEXT" = "1" ]; then
     >"$next_site/keras_dist_base_venv.pth"
   "$NEXT_VENV/bin/python" -m pip install -q --disable-pip-version-check \
     --no-deps -r requirements/keras-next.txt || exit 1
-  "$NEXT_VENV/bin/python" -c "import keras; print('newest Keras:', \
-keras.__version__)" || exit 1
+  KERAS_BACKEND=jax "$NEXT_VENV/bin/python" -c "import keras; \
+print('newest Keras:', keras.__version__)" || exit 1
 fi
 
 note "lint"
