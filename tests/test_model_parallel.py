@@ -338,7 +338,10 @@ def test_describe_draws_the_mesh_and_each_variable_placement(capsys):
     assert "  out/bias (4,): whole on every device" in lines
     table = lines.index("") + 1
     assert lines[table].split() == ["path", "shape", "layout", "bytes/device"]
-    assert len(rows) == len(lines) - table - 2  # header and total
+    # One line a variable, in the order of the returned rows (then the
+    # total and the expected peak per device).
+    body = lines[table + 1 : table + 1 + len(rows)]
+    assert [line.split()[0] for line in body] == [r["path"] for r in rows]
 
 
 @jax_only
