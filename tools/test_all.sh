@@ -8,8 +8,8 @@
 # The runs go in two lanes at once (most tests keep one core busy; on a
 # 2-core machine that cuts the wall time by about a third): TensorFlow,
 # torch's feature matrix and layout tests, then the newest Keras's
-# TensorFlow subset; beside JAX, the rest of torch, then the newest
-# Keras's JAX and torch subsets. A line is printed as each run starts and
+# TensorFlow and torch subsets; beside JAX, the rest of torch, then the
+# newest Keras's JAX subset. A line is printed as each run starts and
 # ends; each lane's whole output is printed when the lane ends.
 #
 #   KERAS_DIST_LANES=1      runs everything one after the other
@@ -117,6 +117,7 @@ lane_a() {
   run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" || s=1
   if [ "$NEXT" = "1" ]; then
     run "${NEWEST[@]}" tensorflow "${NEXT_TESTS[@]}" || s=1
+    run "${NEWEST[@]}" torch "${NEXT_TESTS[@]}" || s=1
   fi
   return $s
 }
@@ -127,7 +128,6 @@ lane_b() {
   run "${PINNED[@]}" torch tests --ignore="$MATRIX" --ignore="$LAYOUTS" || s=1
   if [ "$NEXT" = "1" ]; then
     run "${NEWEST[@]}" jax "${NEXT_TESTS[@]}" || s=1
-    run "${NEWEST[@]}" torch "${NEXT_TESTS[@]}" || s=1
   fi
   return $s
 }
