@@ -83,6 +83,7 @@ from keras_dist._src.backends.torch.step_context import (
 from keras_dist._src.backends.torch.steps import (
     ModelSteps,
     install_global_dropout,
+    over_batches,
 )
 from keras_dist._src.backends.torch.user_steps import UserSteps
 from keras_dist._src.devices import normalize_device
@@ -275,14 +276,7 @@ class StepFunctions(ModelSteps, UserSteps):
                 self.ddp.register_comm_hook(None, _sum_gradients)
             step = self.train_step
 
-        def train_function(data):
-            # One batch, or up to `steps_per_execution`: the last logs.
-            logs = {}
-            for batch in data:
-                logs = step(batch)
-            return logs
-
-        return train_function
+        return over_batches(step)
 
     def train_step(self, data):
         """One exact step of this rank on its shard of the global batch."""

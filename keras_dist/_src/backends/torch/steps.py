@@ -71,15 +71,7 @@ class ModelSteps:
         """The function `model.train_function` is set to; by default the
         policy's `train_step` on each batch Keras passes (one, or up to
         `steps_per_execution`), returning the last step's logs."""
-        step = self.train_step
-
-        def train_function(data):
-            logs = {}
-            for batch in data:
-                logs = step(batch)
-            return logs
-
-        return train_function
+        return over_batches(self.train_step)
 
     def make_train_function(self, force=False):
         """Builds the policy's train function."""
@@ -140,6 +132,19 @@ class ModelSteps:
     def predict_step(self, data):
         """One prediction step of this rank (a policy's)."""
         raise NotImplementedError(type(self).__name__)
+
+
+def over_batches(step):
+    """A train function of `step`: runs it on each batch Keras passes (one,
+    or up to `steps_per_execution`) and returns the last step's logs."""
+
+    def train_function(data):
+        logs = {}
+        for batch in data:
+            logs = step(batch)
+        return logs
+
+    return train_function
 
 
 def install_global_dropout(model, draw) -> None:
