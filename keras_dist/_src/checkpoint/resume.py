@@ -4,6 +4,8 @@ batches already trained (a mixin of the callback's restore-side methods).
 
 from __future__ import annotations
 
+import keras
+
 from keras_dist._src import backends as backend_lib
 from keras_dist._src.checkpoint import manager as manager_lib
 from keras_dist._src.checkpoint import runtime_glue, state
@@ -89,6 +91,20 @@ class _Resume:
             data = args[1] if stateful else args[0]
             if isinstance(data, (list, tuple)):
                 batches = list(data)
+            elif stateful and spe > 1 and glue.keras_stacks_jax_steps():
+                # Keras 3.16+ on JAX reads a call's batches as one group,
+                # stacked on a new axis (a partial group as a list).
+                group = next(data)
+                if glue.is_partial_step_group(group):
+                    batches = list(group)
+                else:
+                    batches = [
+                        keras.tree.map_structure(
+                            lambda x: None if x is None else x[0],
+                            group,
+                            none_is_leaf=True,
+                        )
+                    ]
             else:  # as Keras's step: the last call of an epoch may be short
                 batches = [next(data)]
                 for _ in range(spe - 1):
