@@ -531,7 +531,12 @@ def test_signal_stops_fit_after_saving(tmp_path):
     meta = json.loads(
         open(os.path.join(checkpoint.latest(backup), "metadata.json")).read()
     )
-    assert meta["position"] == {
+    position = dict(meta["position"])
+    # Keras 3.16's array adapter counts epochs to draw its shuffle: the
+    # count as of the saved epoch's start (`input_replay`).
+    inputs = position.pop("input_iterators", None)
+    assert inputs is None or len(inputs["adapter_epochs"]) == 1
+    assert position == {
         "epoch": 0,
         "step_in_epoch": 3,
         "global_step": 3,
