@@ -13,10 +13,12 @@ signatures), and `tests/test_runtime.py` checks the runtimes' behaviour.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from keras_dist._src.backends.capabilities import (
+    Capabilities as _Capabilities,
+)
 from keras_dist._src.plan import TOPOLOGIES
 from keras_dist._src.runtime import Runtime
 
@@ -66,41 +68,8 @@ class Engine(Protocol):
         shard one device holds."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Capabilities:
-    """What the shared code (checkpoints, layers, messages) needs to know
-    of a backend, declared by the backend (its `CAPABILITIES`) so that no
-    code outside `backends/` switches on the backend's name.
-
-    Attributes:
-        process_per_device: each device is a process of its own (torch),
-            rather than one process driving several devices.
-        stateful_train_function: Keras's train function takes the
-            training state first and returns ``(logs, state)`` (JAX),
-            rather than taking the data alone and returning the logs.
-        native_tf_data: Keras iterates a `tf.data.Dataset` in its own
-            graph on this backend (TensorFlow): the iterators it makes are
-            counted, not remade each epoch.
-        op_seed_generator: returns the framework's own generator of op
-            seeds (a ``random.Random``) that a checkpoint saves, or None;
-            None where the framework has none.
-        refused_plans: plan types the backend refuses (its `ENGINES`
-            entry raises `UnsupportedBackendError` whatever its
-            arguments): a strategy asks before any runtime or process
-            starts (`backends.refuse_unsupported`).
-        connect_tpu: ``connect_tpu(tpu) -> (environment, devices)``: joins
-            or connects to the TPU (`environment`: this process's place in
-            a multi-host job, or None; `devices`: this process's TPU
-            devices, None for every chip of a joined job); None where the
-            backend has no TPUs.
-    """
-
-    process_per_device: bool = False
-    stateful_train_function: bool = False
-    native_tf_data: bool = False
-    op_seed_generator: Callable[[], Any] | None = None
-    refused_plans: tuple[type, ...] = ()
-    connect_tpu: Callable[[str | None], tuple] | None = None
+# What a backend declares it can do (`backends.capabilities()`).
+Capabilities = _Capabilities
 
 
 class BackendModule(Protocol):
