@@ -589,3 +589,5 @@ def test_the_backend_declares_its_capabilities():
     assert isinstance(capabilities, contract.Capabilities)
     for plan_type in capabilities.refused_plans:
         assert plan_type in module.ENGINES, plan_type
+    # Every submodule is imported by now; none may shadow the function.
+    assert backends.capabilities() is capabilities

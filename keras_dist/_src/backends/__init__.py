@@ -44,7 +44,7 @@ def capabilities():
     a `contract.Capabilities`); the defaults for a Keras backend keras_dist
     cannot drive (nothing to declare)."""
     if name() not in _MODULES:
-        from keras_dist._src.backends.capabilities import Capabilities
+        from keras_dist._src.backends.capability import Capabilities
 
         return Capabilities()
     return get().CAPABILITIES

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from keras_dist._src.backends.capabilities import (
+from keras_dist._src.backends.capability import (
     Capabilities as _Capabilities,
 )
 from keras_dist._src.plan import TOPOLOGIES

@@ -1,7 +1,9 @@
 """What each backend declares it can do, read before any runtime starts.
 
 Kept apart from `contract.py` (which imports the runtime) so that the
-backend registry can read it without importing the runtime.
+backend registry can read it without importing the runtime. Not named
+`capabilities.py`: importing that submodule would rebind the package's
+`capabilities()` function to the module.
 """
 
 from __future__ import annotations
