@@ -329,16 +329,6 @@ def collect(cpu_devices: int = 0) -> dict:
             if len(devices) > 1
             else "runs in this process"
         )
-        listed = report["devices"] or []
-        if len(devices) == 1 and len(listed) > 1 and devices[0] in listed:
-            # list_devices() names every device a rank may take (one CPU
-            # device per core); MirroredStrategy() takes one on a CPU
-            # unless asked: the two rows must not read as a contradiction.
-            mirrored["note"] += (
-                f", not on the {len(listed)} devices listed above (one "
-                "process each): KERAS_DIST_CPU_DEVICES=N or --cpu-devices N "
-                "for N processes"
-            )
     else:
         mirrored["processes"] = 1
     report["mirrored_strategy"] = mirrored

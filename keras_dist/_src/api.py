@@ -27,13 +27,13 @@ def simulate_cpu_devices(count: int) -> None:
 
 
 def list_devices(device_type: str | None = None) -> list[str]:
-    """Returns the devices of this process as ``"type:index"`` names.
+    """Returns the devices this process would train on, as ``"type:index"``.
 
-    These are the devices a strategy may name. ``MirroredStrategy()`` uses
-    every GPU, else the simulated CPU devices; with neither, one CPU device
-    (``cpu:0``), although torch lists one CPU device per core (each would
-    be a process): set ``KERAS_DIST_CPU_DEVICES=N`` for N. ``keras-dist
-    doctor`` shows both.
+    ``MirroredStrategy()`` uses exactly these: every GPU, else the
+    simulated CPU devices, else one CPU device (``cpu:0``). Set
+    ``KERAS_DIST_CPU_DEVICES=N`` (or call `simulate_cpu_devices`) for N. On
+    torch a strategy may also name CPU devices up to one per core
+    (``devices=["cpu:0", "cpu:1"]``): each is a process.
 
     Args:
         device_type: ``"cpu"``, ``"gpu"`` or ``"tpu"`` to filter, or None.

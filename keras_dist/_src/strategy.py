@@ -81,7 +81,7 @@ class Strategy:
         try:
             if devices is None:
                 devices = module.default_devices()
-            available = module.list_devices()
+            available = module.nameable_devices()
             self._devices = tuple(check_devices_exist(devices, available))
             self._sync_batch_norm = bool(sync_batch_norm)
             self._input_options = input_options

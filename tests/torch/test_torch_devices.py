@@ -82,13 +82,31 @@ def test_tpu_devices_point_to_tpu_strategy_on_another_backend():
 
 def test_a_missing_device_fails_before_any_rank_starts(monkeypatch):
     import keras_dist
+    from keras_dist._src.backends.torch.devices import nameable_devices
     from keras_dist._src.cluster import launcher
 
     def start_workers(*args):
         raise AssertionError("ranks were started for a missing device")
 
     monkeypatch.setattr(launcher, "start_workers", start_workers)
-    count = len(keras_dist.list_devices("cpu"))
+    count = len(nameable_devices("cpu"))  # one per core, or simulated
     devices = [f"cpu:{i}" for i in range(count + 1)]
     with pytest.raises(ValueError, match=rf"cpu:{count}'\] do not exist"):
         keras_dist.MirroredStrategy(devices=devices)
+
+
+def test_list_devices_names_what_mirrored_would_use(monkeypatch):
+    from keras_dist._src.backends.torch import devices
+
+    monkeypatch.setattr(devices, "_simulated_cpus", None)
+    monkeypatch.delenv("KERAS_DIST_CPU_DEVICES", raising=False)
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    # Without simulated devices: one CPU device, as on JAX and TensorFlow,
+    # yet a strategy may name one per core (each is a process).
+    assert devices.list_devices() == devices.default_devices() == ["cpu:0"]
+    assert devices.nameable_devices("cpu") == [f"cpu:{i}" for i in range(8)]
+    monkeypatch.setenv("KERAS_DIST_CPU_DEVICES", "3")
+    assert devices.list_devices() == devices.default_devices()
+    assert devices.default_devices() == ["cpu:0", "cpu:1", "cpu:2"]
+    assert devices.nameable_devices() == ["cpu:0", "cpu:1", "cpu:2"]

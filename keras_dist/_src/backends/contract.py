@@ -81,6 +81,9 @@ class BackendModule(Protocol):
     def list_devices(self, device_type: str | None = None) -> list[str]:
         """Devices this process can use, as ``"type:index"`` names."""
 
+    def nameable_devices(self, device_type: str | None = None) -> list[str]:
+        """Devices a strategy may name (torch: one CPU device per core)."""
+
     def default_devices(self) -> list[str]:
         """Devices a `MirroredStrategy()` without arguments uses."""
 
@@ -135,6 +138,7 @@ INNER_MODULES = (
 
 CONTRACT_FUNCTIONS = (
     "list_devices",
+    "nameable_devices",
     "default_devices",
     "simulate_cpu_devices",
     "variables_distributed",

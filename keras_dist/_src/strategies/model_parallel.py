@@ -194,7 +194,7 @@ def _local_devices(mesh: DeviceMesh) -> list[str]:
     kind = defaults[0].split(":")[0]
     candidates = defaults if len(defaults) >= mesh.size else []
     if not candidates:
-        candidates = module.list_devices(kind)
+        candidates = module.nameable_devices(kind)
     if len(candidates) < mesh.size:
         raise LayoutError(
             f"The mesh {mesh.shape} {mesh.axis_names} needs {mesh.size} "

@@ -20,6 +20,7 @@ from keras_dist._src.backends.jax.devices import (
     host_array,
     import_state,
     list_devices,
+    nameable_devices,
     simulate_cpu_devices,
     variables_distributed,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "host_array",
     "import_state",
     "list_devices",
+    "nameable_devices",
     "simulate_cpu_devices",
     "variables_distributed",
 ]

@@ -41,6 +41,11 @@ def list_devices(device_type: str | None = None) -> list[str]:
     return names
 
 
+def nameable_devices(device_type: str | None = None) -> list[str]:
+    """Devices a strategy may name: exactly those `list_devices` lists."""
+    return list_devices(device_type)
+
+
 def default_devices() -> list[str]:
     """Every device of JAX's default platform (GPUs/TPUs, else CPUs)."""
     return [f"{d.platform}:{d.id}" for d in jax.devices()]

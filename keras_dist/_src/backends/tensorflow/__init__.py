@@ -31,6 +31,7 @@ from keras_dist._src.backends.tensorflow.devices import (
     host_array,
     import_state,
     list_devices,
+    nameable_devices,
     simulate_cpu_devices,
     variables_distributed,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "host_array",
     "import_state",
     "list_devices",
+    "nameable_devices",
     "simulate_cpu_devices",
     "variables_distributed",
 ]

@@ -33,6 +33,11 @@ def list_devices(device_type: str | None = None) -> list[str]:
     return names
 
 
+def nameable_devices(device_type: str | None = None) -> list[str]:
+    """Devices a strategy may name: exactly those `list_devices` lists."""
+    return list_devices(device_type)
+
+
 def default_devices() -> list[str]:
     """Every GPU (or TPU) if there is one, else every logical CPU."""
     for kind in ("gpu", "tpu", "cpu"):

@@ -25,6 +25,7 @@ from keras_dist._src.backends.torch.devices import (
     host_array,
     import_state,
     list_devices,
+    nameable_devices,
     simulate_cpu_devices,
     variables_distributed,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "host_array",
     "import_state",
     "list_devices",
+    "nameable_devices",
     "simulate_cpu_devices",
     "variables_distributed",
 ]

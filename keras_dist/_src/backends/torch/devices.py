@@ -19,21 +19,26 @@ _engine_cpus: int | None = None
 
 
 # -- devices ------------------------------------------------------------------
-def _cpu_count() -> int:
+def _simulated_cpu_count() -> int | None:
     if _simulated_cpus is not None:
         return _simulated_cpus
     env = os.environ.get(ENV_CPU_DEVICES)
     if env and env.isdigit() and int(env) > 0:
         return int(env)
-    return os.cpu_count() or 1
+    return None
+
+
+def _cpu_count() -> int:
+    return _simulated_cpu_count() or os.cpu_count() or 1
 
 
 def list_devices(device_type: str | None = None) -> list[str]:
-    """Devices torch can run a rank on, as ``"type:index"`` names.
+    """Devices this process would train on, as ``"type:index"`` names.
 
-    Every GPU, then one CPU device per core (or the simulated count set with
-    `keras_dist.simulate_cpu_devices`): on torch each device is a process,
-    so the list is the same on every rank of a host.
+    Every GPU, then the simulated CPU devices (`keras_dist.simulate_cpu_devices`
+    or ``KERAS_DIST_CPU_DEVICES``), else one CPU device: the same list as on
+    JAX and TensorFlow, and what ``MirroredStrategy()`` uses. A strategy may
+    still name more CPU devices (`nameable_devices`): each is a process.
 
     Args:
         device_type: ``"cpu"`` or ``"gpu"`` to filter, or None.
@@ -41,7 +46,22 @@ def list_devices(device_type: str | None = None) -> list[str]:
     names = []
     if torch.cuda.is_available():
         names = [f"gpu:{i}" for i in range(torch.cuda.device_count())]
+    cpus = _simulated_cpu_count() or 1
+    names += [f"cpu:{i}" for i in range(cpus)]
+    return _of_type(names, device_type)
+
+
+def nameable_devices(device_type: str | None = None) -> list[str]:
+    """Devices a strategy may name: every GPU, then one CPU device per core
+    (or the simulated count), since on torch each device is a process."""
+    names = []
+    if torch.cuda.is_available():
+        names = [f"gpu:{i}" for i in range(torch.cuda.device_count())]
     names += [f"cpu:{i}" for i in range(_cpu_count())]
+    return _of_type(names, device_type)
+
+
+def _of_type(names: list[str], device_type: str | None) -> list[str]:
     if device_type:
         names = [n for n in names if n.startswith(device_type.lower() + ":")]
     return names
@@ -50,10 +70,7 @@ def list_devices(device_type: str | None = None) -> list[str]:
 def default_devices() -> list[str]:
     """Every GPU; else the simulated CPU devices; else ``["cpu:0"]``."""
     gpus = list_devices("gpu")
-    if gpus:
-        return gpus
-    simulated = _simulated_cpus or os.environ.get(ENV_CPU_DEVICES)
-    return list_devices("cpu") if simulated else ["cpu:0"]
+    return gpus if gpus else list_devices("cpu")
 
 
 def simulate_cpu_devices(count: int) -> None:

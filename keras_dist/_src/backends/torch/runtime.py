@@ -225,9 +225,9 @@ def start_job(devices, environment: ClusterEnvironment | None = None) -> _Job:
         # `MirroredStrategy` on torch without a launcher).
         # Every rank would find a missing device; rank 0 says so once,
         # before it starts any.
-        from keras_dist._src.backends.torch.devices import list_devices
+        from keras_dist._src.backends.torch.devices import nameable_devices
 
-        check_devices_exist(devices, list_devices())
+        check_devices_exist(devices, nameable_devices())
         world = len(devices)
         # Listen before starting the children: no other process can take
         # the port between choosing it and binding it.
