@@ -18,10 +18,10 @@ layer. Memory stays ZeRO-3's: autograd keeps no whole value for the
 backward pass (`torch.autograd.graph.saved_tensors_hooks`: a saved tensor
 that is a whole value, or a view of one, is kept as a token), and the
 backward pass gathers the layer again, once, at its first use of a whole
-value, as FSDP reshards after the forward pass. The gradients come back
-as DTensor's own operators leave them (a `Partial` sum over the batch
-axis), and the optimizer's update reduces them as before
-(`shard_update`).
+value, as FSDP reshards after the forward pass. The layer's gradients
+(`Partial` sums over the batch axis) are reduce-scattered into each
+rank's share as its backward pass ends, one collective per dtype, so that
+no rank keeps whole gradients for the whole model until the update.
 
 An `Embedding` gathers its table where the table is no larger than the
 lookup's output (FSDP gathers every table); a larger table keeps its
@@ -159,7 +159,7 @@ def _gathering_call(layer, inner, mesh_dim):
             shards = [glue.variable_value(v) for v in variables]
         if not shards:
             return inner(*args, **kwargs)
-        group = _Group(shards, mesh_dim)
+        group = _Group(shards, mesh_dim, variables)
         wholes = _Gather.apply(group, *shards)
         for variable, whole in zip(variables, wholes):
             glue.set_variable_value(variable, whole)
@@ -198,8 +198,9 @@ class _Group:
     themselves, and the saved-tensor hooks that regather them once for
     the backward pass."""
 
-    def __init__(self, shards, mesh_dim):
+    def __init__(self, shards, mesh_dim, variables=()):
         self.shards = shards
+        self.variables = list(variables)
         self.mesh = shards[0].device_mesh
         self.mesh_dim = mesh_dim
         self.group = self.mesh.get_group(mesh_dim)
@@ -297,11 +298,38 @@ class _Group:
             stride=saved.stride,
         )
 
+    def reduce_grads(self, grads):
+        """The layer's whole gradients (`Partial` sums over the batch
+        axis) reduce-scattered at once, in one collective per dtype, into
+        this rank's shares with their variables' placements (as FSDP
+        reduce-scatters each unit's gradients in its backward pass), so
+        that no rank keeps a whole gradient past its layer. Any other
+        gradient passes as it came (the update reduces it)."""
+        if not self.variables or self.mesh.ndim != 1:
+            return grads
+        from keras_dist._src.backends.torch import shard_update
+
+        grads = list(grads)
+        reduced = shard_update._reduce_together(list(grads), self.variables)
+        for i, (before, after) in enumerate(zip(grads, reduced)):
+            if after is before:
+                continue
+            target = self.shards[i]
+            grads[i] = DTensor.from_local(
+                after,
+                self.mesh,
+                target.placements,
+                run_check=False,
+                shape=target.shape,
+                stride=target.stride(),
+            )
+        return grads
+
 
 class _Gather(torch.autograd.Function):
     """Split DTensors in, replicated whole DTensors out; the gradients
-    pass through as they come (a `Partial` sum over the batch axis, which
-    the update reduces with the others)."""
+    come back reduce-scattered into each rank's share where they are
+    `Partial` sums over the batch axis (`_Group.reduce_grads`)."""
 
     @staticmethod
     def forward(ctx, group, *shards):
@@ -309,8 +337,9 @@ class _Gather(torch.autograd.Function):
         # one device), not zeros: with zeros, momentum or weight decay
         # would still move it.
         ctx.set_materialize_grads(False)
+        ctx.group = group
         return tuple(group.wrap(group.gather()))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *grads)
+        return (None, *ctx.group.reduce_grads(grads))

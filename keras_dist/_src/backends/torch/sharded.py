@@ -176,24 +176,68 @@ class DTensorEngine(TorchEngine):
             self._checked.add(id(model))
         if not pending:
             return
-        # The chief's values everywhere (one collective a dtype), then
-        # each rank keeps its part.
-        broadcast_from_chief(self.aux_group, [v for v, _ in pending])
-        for variable, layout in pending:
-            tensor = glue.variable_value(variable).detach().to(self.device)
-            value = distribute_tensor(
-                tensor,
-                self.torch_mesh,
-                layouts.placements(self.mesh, layout),
-                src_data_rank=None,
-            )
-            parameter = torch.nn.Parameter(
-                value, requires_grad=bool(variable.trainable)
-            )
-            glue.set_variable_value(variable, parameter)
+        # The chief's values, a bucket of variables at a time (no bigger
+        # than the largest variable), and each rank keeps its part at once:
+        # beyond the variables as they are, a rank holds at most one
+        # bucket twice, never a flat copy of the whole model.
+        for bucket in _buckets(pending):
+            broadcast_from_chief(self.aux_group, [v for v, _ in bucket])
+            for variable, layout in bucket:
+                placements = layouts.placements(self.mesh, layout)
+                self._keep_shard(variable, placements)
         torch_variables.retrack_torch_parameters(
             glue.flatten_layers(model, include_self=True)
         )
+
+    def _keep_shard(self, variable, placements) -> None:
+        """Replaces `variable`'s whole value (alike on every rank) with this
+        rank's part of it, as a DTensor with `placements`."""
+        tensor = glue.variable_value(variable).detach().to(self.device)
+        value = distribute_tensor(
+            tensor, self.torch_mesh, placements, src_data_rank=None
+        )
+        del tensor
+        glue.set_variable_value(
+            variable,
+            torch.nn.Parameter(value, requires_grad=bool(variable.trainable)),
+        )
+
+    def shard_optimizer_slots(self, optimizer) -> None:
+        """Makes `optimizer` (and the optimizer it wraps) split each new
+        slot as its model variable is split, as soon as it is made: a slot
+        is whole only while it is created (zeros, or another constant,
+        alike on every rank), never all of them at once."""
+        engine = self
+
+        def wrap(target):
+            cls_method = type(target).add_variable_from_reference
+            earlier = target.__dict__.get("add_variable_from_reference")
+            if getattr(earlier, "_keras_dist_engine", None) is engine:
+                return  # wrapped by an earlier compile
+
+            def add_variable_from_reference(reference_variable, *args, **kw):
+                variable = cls_method(target, reference_variable, *args, **kw)
+                value = glue.variable_value(reference_variable)
+                if (
+                    isinstance(value, DTensor)
+                    and not isinstance(glue.variable_value(variable), DTensor)
+                    and tuple(variable.shape) == tuple(value.shape)
+                    and value.device_mesh is engine.torch_mesh
+                ):
+                    engine._keep_shard(variable, tuple(value.placements))
+                return variable
+
+            add_variable_from_reference.__doc__ = cls_method.__doc__
+            add_variable_from_reference._keras_dist_engine = engine
+            target.__dict__["add_variable_from_reference"] = (
+                add_variable_from_reference
+            )
+
+        for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if target is not None and hasattr(
+                type(target), "add_variable_from_reference"
+            ):
+                wrap(target)
 
     def placement(self, variable):
         """The variable's layout (from its DTensor placements) and the
@@ -241,8 +285,11 @@ class DTensorEngine(TorchEngine):
 
     def attach(self, model) -> None:
         """Lays out a built model's variables; installs the step
-        functions."""
+        functions; optimizer slots are split as they are made."""
         _StepFunctions(self, model).install()
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            self.shard_optimizer_slots(optimizer)
         self.lay_out(model)
 
     def check_custom_loop(self, what: str) -> None:
@@ -254,6 +301,25 @@ class DTensorEngine(TorchEngine):
                 f"{self.batch_parts} replicas over {self.world_size} "
                 "processes. Use model.fit/evaluate/predict."
             )
+
+
+_MIN_BUCKET = 1 << 20  # elements: small models in one collective
+
+
+def _buckets(pending):
+    """`pending` ``[(variable, layout)]`` in consecutive groups of at most
+    the largest variable's size (or `_MIN_BUCKET` elements)."""
+    limit = max([_MIN_BUCKET] + [int(np.prod(v.shape)) for v, _ in pending])
+    bucket, size = [], 0
+    for pair in pending:
+        n = int(np.prod(pair[0].shape))
+        if bucket and size + n > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(pair)
+        size += n
+    if bucket:
+        yield bucket
 
 
 def flatten_axes(torch_mesh, mesh) -> None:
