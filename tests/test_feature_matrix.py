@@ -35,7 +35,12 @@ from keras import ops
 from tests.utils import ROOT
 
 BACKEND = keras.backend.backend()
-REPLICAS = (2, 3)
+# KERAS_DIST_MATRIX_REPLICAS=2 runs Mirrored with 2 replicas only (the
+# newest Keras's CI runs: the 3-replica runs test keras_dist's own uneven
+# splits, which the pinned Keras's runs cover).
+REPLICAS = tuple(
+    int(n) for n in os.environ.get("KERAS_DIST_MATRIX_REPLICAS", "2,3").split(",")
+)
 
 # float32 parity (SGD, tanh): see CONTRIBUTING.md.
 TOLERANCE = 1e-5

@@ -8,8 +8,8 @@
 # The runs go in two lanes at once (most tests keep one core busy; on a
 # 2-core machine that cuts the wall time by about a third): TensorFlow,
 # torch's feature matrix and layout tests, then the newest Keras's
-# TensorFlow and torch subsets; beside JAX, the rest of torch, then the
-# newest Keras's JAX subset. A line is printed as each run starts and
+# TensorFlow subset; beside JAX, the rest of torch, then the newest
+# Keras's JAX and torch subsets. A line is printed as each run starts and
 # ends; each lane's whole output is printed when the lane ends.
 #
 #   KERAS_DIST_LANES=1      runs everything one after the other
@@ -85,6 +85,26 @@ NEXT_TESTS=(
   tests/torch/test_torch_layer_calls.py
   tests/torch/test_torch_checkpoint.py
 )
+# Left out of the newest Keras's runs: the launcher's and the checkpoint
+# writer's own rules (a killed or hung worker, a kill during a save, a
+# checkpoint of another backend, the Ctrl-C example), which call no Keras
+# code that changed between versions and run on the pinned Keras; and the
+# feature matrix's 3-replica Mirrored runs (keras_dist's own uneven
+# splits): 2 replicas and the layouts run on both Kerases.
+NEXT_SKIP=(
+  --deselect tests/test_multi_worker.py::test_hung_worker_stops_the_job
+  --deselect tests/test_multi_worker.py::test_killed_worker_stops_the_job
+  --deselect
+  tests/test_multi_worker.py::test_workers_with_different_device_counts_are_refused
+  --deselect
+  tests/test_checkpoint_process.py::test_sigkill_during_save_keeps_previous_checkpoint
+  --deselect
+  tests/test_checkpoint_process.py::test_checkpoint_from_another_backend_restores
+  --deselect
+  tests/test_checkpoint_process.py::test_preemptible_example_resumes_after_ctrl_c
+  --deselect
+  "tests/torch/test_torch_checkpoint.py::test_sigterm_stops_both_ranks_and_resumes_exactly[rank0]"
+)
 
 # run PYTHON LABEL BACKEND [PYTEST ARGS...] (default: every test).
 run() {
@@ -116,8 +136,8 @@ lane_a() {
   run "${PINNED[@]}" tensorflow || s=1
   run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" || s=1
   if [ "$NEXT" = "1" ]; then
-    run "${NEWEST[@]}" tensorflow "${NEXT_TESTS[@]}" || s=1
-    run "${NEWEST[@]}" torch "${NEXT_TESTS[@]}" || s=1
+    KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" tensorflow \
+      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
   fi
   return $s
 }
@@ -127,7 +147,10 @@ lane_b() {
   run "${PINNED[@]}" jax || s=1
   run "${PINNED[@]}" torch tests --ignore="$MATRIX" --ignore="$LAYOUTS" || s=1
   if [ "$NEXT" = "1" ]; then
-    run "${NEWEST[@]}" jax "${NEXT_TESTS[@]}" || s=1
+    KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" jax \
+      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
+    KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" torch \
+      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
   fi
   return $s
 }
