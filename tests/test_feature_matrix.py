@@ -38,9 +38,8 @@ BACKEND = keras.backend.backend()
 # KERAS_DIST_MATRIX_REPLICAS=2 runs Mirrored with 2 replicas only (the
 # newest Keras's CI runs: the 3-replica runs test keras_dist's own uneven
 # splits, which the pinned Keras's runs cover).
-REPLICAS = tuple(
-    int(n) for n in os.environ.get("KERAS_DIST_MATRIX_REPLICAS", "2,3").split(",")
-)
+_REPLICAS = os.environ.get("KERAS_DIST_MATRIX_REPLICAS", "2,3")
+REPLICAS = tuple(int(n) for n in _REPLICAS.split(","))
 
 # float32 parity (SGD, tanh): see CONTRIBUTING.md.
 TOLERANCE = 1e-5
