@@ -25,7 +25,7 @@ no rank keeps whole gradients for the whole model until the update.
 
 An `Embedding` gathers its table where the table is no larger than the
 lookup's output (FSDP gathers every table); a larger table keeps its
-lookup split by rows (`sharded._install_reduced_lookups`), which
+lookup split by rows (`layout_steps._install_reduced_lookups`), which
 all-reduces the output instead. On a small transformer, gathering the
 table took the step from 0.97 to 0.85 of its time before this module.
 The values are those of DTensor's own gather (the same shards, put
