@@ -19,6 +19,7 @@ import weakref
 import jax
 
 from keras_dist._src.backends.jax import engine as engine_lib
+from keras_dist._src.backends.jax import steps as steps_lib
 from keras_dist._src.backends.jax.data_parallel import ReplicatedPolicy
 from keras_dist._src.errors import UnsupportedBackendError
 from keras_dist._src.keras_glue import internals as glue
@@ -130,7 +131,7 @@ class CentralStorageEngine(engine_lib.SPMDEngine):
                 )
 
 
-class _HostStepFunctions(engine_lib._StepFunctions):
+class _HostStepFunctions(steps_lib.StepFunctions):
     """Keras's steps, with the state moved to the devices at the start of
     each step and back to host memory at its end."""
 

@@ -7,7 +7,8 @@ out variables created in the scope, and the checks of a model's
 variables. Everything else is here, once: placing batches (split along the
 batch axis, or replicated when a batch does not divide), placing state with
 each variable's own sharding, jitting Keras's own steps with those
-shardings, per-replica BatchNormalization, custom loops, and — when the
+shardings (`steps.StepFunctions`, with per-replica BatchNormalization),
+custom loops, and — when the
 mesh spans several processes (`jax.distributed`) — global arrays built from
 each process's copy, the chief's initial values and the progress watchdog.
 
@@ -24,26 +25,24 @@ import collections
 import contextlib
 
 import jax
-import keras
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as keras_distribution
 from keras import tree
 
-from keras_dist._src.backends.jax.batch_norm import average_moving_statistics
 from keras_dist._src.backends.jax.devices import OWN_MESHES
 from keras_dist._src.backends.jax.inputs import (
     distribute_dataset,
     select_replica,
     stack_outputs,
 )
+from keras_dist._src.backends.jax.steps import StepFunctions
 from keras_dist._src.cluster.supervision import (
     ProgressWatchdog,
     liveness_timeout,
 )
 from keras_dist._src.core import policies
-from keras_dist._src.core.inputs import check_batch_consistency
 from keras_dist._src.core.lockstep import GatheredAdapter
 from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.keras_glue import internals as glue
@@ -179,7 +178,7 @@ class SPMDEngine:
         self.policy.check_variables(model)
         if self.multi_process:
             self.sync_variables(model.variables)
-        _StepFunctions(self, model).install()
+        StepFunctions(self, model).install()
 
     def check_built(self, model) -> None:
         """Before a step function is made (the model has its variables):
@@ -306,252 +305,6 @@ class SPMDEngine:
     def distribute_dataset(self, dataset):
         """Per-replica batches on this process's devices."""
         return distribute_dataset(dataset, list(self.mesh.devices.flat))
-
-
-class _StepFunctions:
-    """The distributed train/test/predict functions of one model."""
-
-    def __init__(self, engine, model):
-        self.engine = engine
-        self.model = model
-        self._first_batch = None
-        self._batch_index = 0
-        self._iterator = None
-
-    def install(self) -> None:
-        model = self.model
-        model.__dict__["make_train_function"] = self.make_train_function
-        model.__dict__["make_test_function"] = self.make_test_function
-        model.__dict__["make_predict_function"] = self.make_predict_function
-        model.train_function = None
-        model.test_function = None
-        model.predict_function = None
-
-    def _compile(self, step, out_shardings):
-        model = self.model
-        if model.run_eagerly or not model.jit_compile:
-            return step
-        return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-
-    def _wrap(self, step, shardings, concatenate_outputs=False):
-        engine = self.engine
-        # With steps_per_execution > 1, predict's outputs of the steps of one
-        # call must be concatenated (Keras's own predict function does so).
-        iterator_step = _iterator_step(
-            self.model, step, concatenate_outputs=concatenate_outputs
-        )
-        last_state = [None]
-
-        def function(state, iterator):
-            # On CPU devices, at most `max_in_flight` steps run at once (see
-            # `SPMDEngine`): wait for the oldest before dispatching another.
-            bound = engine.max_in_flight
-            if bound is not None:
-                engine.wait_for_last_step(keep=bound - 1)
-            if state is not last_state[0]:
-                state = engine.place_state(state, shardings)
-            outputs, state = iterator_step(state, self._placed(iterator))
-            if bound is not None:
-                # One output of the step's executable is ready when all
-                # are: waiting on one leaf costs less than on every leaf.
-                leaves = jax.tree_util.tree_leaves(outputs)
-                if leaves:
-                    engine.in_flight.append(leaves[:1])
-                else:
-                    # Only the state: it is donated to the next step, so it
-                    # cannot be waited on later; wait now.
-                    jax.block_until_ready(state)
-            last_state[0] = state
-            return outputs, state
-
-        return function
-
-    def _placed(self, iterator):
-        """Places each batch; checks it matches the first batch's shapes."""
-        if iterator is not self._iterator:  # a new epoch or a new input
-            self._iterator = iterator
-            self._first_batch = None
-        for batch in _one_batch_at_a_time(self.model, iterator):
-            if self._first_batch is None:
-                self._first_batch = batch
-                self._batch_index = 1
-            else:
-                self._batch_index += 1
-                check_batch_consistency(
-                    self._first_batch, batch, self._batch_index
-                )
-            yield self.engine.place_batch(batch)
-
-    def make_train_function(self, force=False):
-        """Jits the model's `train_step` with the state's shardings."""
-        model = self.model
-        if model.train_function is not None and not force:
-            return model.train_function
-        self.engine.check_built(model)
-        state = self.engine.state_shardings(model)
-        replicated = self.engine.replicated
-        if self.engine.sync_batch_norm:
-            step = self._compile(model.train_step, (replicated, state))
-        else:
-            step = self._per_replica_train_step()
-        model.train_function = self._wrap(step, state)
-        return model.train_function
-
-    def _per_replica_train_step(self):
-        """Each device trains on its shard (so BatchNormalization sees only
-        that shard's statistics); gradients are averaged with `pmean` before
-        the optimizer applies them, metric updates are summed with `psum`
-        and BatchNormalization's moving statistics are averaged."""
-        model = self.model
-        engine = self.engine
-        axis = engine.batch_axis
-        compiled = {}
-
-        def local_step(state, data):
-            _, _, _, old_metrics = state
-            optimizer = model.optimizer
-            apply = type(optimizer).stateless_apply.__get__(optimizer)
-
-            def averaged_apply(optimizer_variables, grads, trainable):
-                grads = jax.lax.pmean(grads, axis)
-                return apply(optimizer_variables, grads, trainable)
-
-            optimizer.__dict__["stateless_apply"] = averaged_apply
-            try:
-                _, new_state = model.train_step(state, data)
-            finally:
-                optimizer.__dict__.pop("stateless_apply", None)
-            trainable, non_trainable, opt_vars, metrics = new_state
-            non_trainable = average_moving_statistics(non_trainable, axis)
-            metrics = [
-                old + jax.lax.psum(new - old, axis)
-                for old, new in zip(old_metrics, metrics)
-            ]
-            mapping = list(zip(model.metrics_variables, metrics))
-            with keras.StatelessScope(state_mapping=mapping):
-                logs = model.get_metrics_result()
-            return logs, (trainable, non_trainable, opt_vars, metrics)
-
-        def step(state, data):
-            sharded = all(
-                x is None or engine.sharded == x.sharding
-                for x in tree.flatten(data)
-            )
-            if sharded not in compiled:
-                spec = PartitionSpec(axis) if sharded else PartitionSpec()
-                mapped = jax.shard_map(
-                    local_step,
-                    mesh=engine.mesh,
-                    in_specs=(PartitionSpec(), spec),
-                    out_specs=PartitionSpec(),
-                    check_vma=False,
-                )
-                compiled[sharded] = self._compile(
-                    mapped, (engine.replicated, engine.replicated)
-                )
-            return compiled[sharded](state, data)
-
-        return step
-
-    def make_test_function(self, force=False):
-        """Jits the model's `test_step` with the state's shardings."""
-        model = self.model
-        if model.test_function is not None and not force:
-            return model.test_function
-        self.engine.check_built(model)
-        trainable, non_trainable, _, metrics = self.engine.state_shardings(
-            model
-        )
-        state = (trainable, non_trainable, metrics)
-        step = self._compile(model.test_step, (self.engine.replicated, state))
-        model.test_function = self._wrap(step, state)
-        return model.test_function
-
-    def make_predict_function(self, force=False):
-        """Jits the model's `predict_step`; outputs stay batch-sharded."""
-        model = self.model
-        if model.predict_function is not None and not force:
-            return model.predict_function
-        self.engine.check_built(model)
-        trainable, non_trainable, _, _ = self.engine.state_shardings(model)
-        state = (trainable, non_trainable)
-
-        def predict_step(state, data):
-            outputs, non_trainable = model.predict_step(state, data)
-            return outputs, (state[0], non_trainable)
-
-        out = self.engine.predict_out_shardings
-        if out is None:
-            out = (None, state)
-        else:
-            out = (out[0], state)
-        step = self._compile(predict_step, out)
-        model.predict_function = self._wrap(
-            step, state, concatenate_outputs=True
-        )
-        return model.predict_function
-
-
-def _one_batch_at_a_time(model, iterator):
-    """The batches of Keras's JAX epoch iterator one by one.
-
-    With `steps_per_execution` > 1, Keras 3.16 and later read groups of
-    that many batches stacked on a new leading axis (a partial group at
-    an epoch's end as a list): each step here splits its own batch over
-    the replicas, so a group is taken apart first (else its step axis
-    would be split as if it were the batch)."""
-    # `for`, not `yield from`: the caller makes a generator of this one
-    # per call and drops it after a few batches, and `yield from` would
-    # close Keras's iterator with it.
-    if model.steps_per_execution <= 1 or not glue.keras_stacks_jax_steps():
-        for batch in iterator:  # noqa: UP028 - see above
-            yield batch
-        return
-    for group in iterator:
-        if glue.is_partial_step_group(group):
-            yield from group
-            continue
-        leaves = [x for x in tree.flatten(group) if x is not None]
-        for i in range(np.shape(leaves[0])[0] if leaves else 0):
-            yield tree.map_structure(
-                lambda x, i=i: None if x is None else x[i],
-                group,
-                none_is_leaf=True,
-            )
-
-
-def _iterator_step(model, step, concatenate_outputs=False):
-    """`step(state, batch)` as a function of `(state, iterator)` that runs
-    up to `model.steps_per_execution` batches, as Keras 3.15's JAX
-    trainer does: one batch a step, the outputs of the steps concatenated
-    when `concatenate_outputs` (predict), else the last step's."""
-    steps = model.steps_per_execution
-    if steps <= 1:
-        return lambda state, iterator: step(state, next(iterator))
-
-    def concatenate(outputs):
-        return tree.map_structure(
-            lambda *parts: jax.numpy.concatenate(parts), *outputs
-        )
-
-    if not model.run_eagerly and model.jit_compile:
-        concatenate = jax.jit(concatenate)
-
-    def iterator_step(state, iterator):
-        outputs, state = step(state, next(iterator))
-        collected = [outputs]
-        for _ in range(steps - 1):
-            try:
-                data = next(iterator)
-            except StopIteration:
-                break
-            outputs, state = step(state, data)
-            collected.append(outputs)
-        if concatenate_outputs:
-            return concatenate(collected), state
-        return outputs, state
-
-    return iterator_step
 
 
 def steps_in_flight(devices) -> int | None:
