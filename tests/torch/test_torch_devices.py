@@ -12,7 +12,7 @@ if keras.backend.backend() != "torch":
 import torch  # noqa: E402
 
 from keras_dist._src.backends.torch.engine import _device_scope  # noqa: E402
-from keras_dist._src.backends.torch.runtime import gpu_index  # noqa: E402
+from keras_dist._src.backends.torch.job import gpu_index  # noqa: E402
 from keras_dist._src.backends.torch.sharded import (  # noqa: E402
     check_dtensor_version,
 )

@@ -521,7 +521,7 @@ def test_metric_sync_deferred_until_read(torch_parts):
 JOIN = """
 out = sys.argv[1]
 strategy = keras_dist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
-from keras_dist._src.backends.torch import runtime as torch_runtime
+from keras_dist._src.backends.torch import job as torch_job
 
 rank = strategy.worker_index   # read from the launcher's variables
 keras.utils.set_random_seed(rank)   # the broadcast makes the ranks agree
@@ -533,7 +533,7 @@ model.fit(rng.normal(size=(40, 4)), rng.normal(size=(40,)), batch_size=8,
           verbose=0)
 with open(f"{out}.r{rank}.json", "w") as f:
     json.dump({"replicas": strategy.num_replicas_in_sync,
-               "launched": len(torch_runtime._job.children),
+               "launched": len(torch_job._job.children),
                "weights": [w.tolist() for w in model.get_weights()]}, f)
 # Every rank saves, the chief writes; it may end its program before rank 1
 # reads the outcome from the store that rank 0's process may host (rank 1

@@ -34,7 +34,7 @@ from keras_dist._src import context
 from keras_dist._src.backends.torch import devices as torch_devices
 from keras_dist._src.backends.torch.devices import torch_device
 from keras_dist._src.backends.torch.inputs import distribute_dataset
-from keras_dist._src.backends.torch.runtime import (
+from keras_dist._src.backends.torch.job import (
     RankFailedError,
     collective_timeout,
 )
