@@ -11,6 +11,7 @@ import pytest
 from keras_dist._src.backends import contract
 
 BACKEND_DIR = pathlib.Path(contract.__file__).parent
+PACKAGE_DIR = BACKEND_DIR.parent.parent  # keras_dist/
 BACKENDS = ["jax", "tensorflow", "torch"]
 SRC = BACKEND_DIR.parent
 
@@ -148,6 +149,54 @@ def test_engine_classes_implement_engine(backend):
             assert _params(methods[name]) == _params(expected[name]), (
                 f"{backend}.{engine}.{name} signature differs"
             )
+
+
+def _base_names(classes, name):
+    """Every base class `name` has, through the backend's own classes
+    (a base named as `module.Class` counts as `Class`)."""
+    names = set()
+    for base in classes[name].bases:
+        if isinstance(base, (ast.Name, ast.Attribute)):
+            base = base.id if isinstance(base, ast.Name) else base.attr
+            names.add(base)
+            if base in classes:
+                names |= _base_names(classes, base)
+    return names
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_engine_takes_the_optional_capabilities_defaults(backend):
+    """Every engine class derives from `contract.EngineDefaults`, so that
+    the front end reads an optional capability (``engine.mesh``,
+    ``engine.lay_out``) without asking whether the engine has it."""
+    _, classes = _definitions(backend)
+    engines = [n for n in classes if n.lstrip("_").endswith("Engine")]
+    assert {"OneDeviceEngine", "MirroredEngine"} <= set(engines)
+    for engine in engines:
+        assert "EngineDefaults" in _base_names(classes, engine), (
+            f"{backend}.{engine} does not derive from EngineDefaults"
+        )
+    declared = vars(contract.EngineDefaults)
+    for name in contract.OPTIONAL_ENGINE_CAPABILITIES:
+        assert name in declared, name
+
+
+def test_no_probing_for_engine_capabilities():
+    """No ``getattr(engine, "mesh", None)``: an optional capability has
+    its default in `contract.EngineDefaults`."""
+    names = "|".join(contract.OPTIONAL_ENGINE_CAPABILITIES + ("placement",))
+    probe = re.compile(
+        rf"(getattr|hasattr)\([^()]*(engine|extended)[^()]*,\s*"
+        rf"[\"']({names})[\"']"
+    )
+    found = [
+        f"{path.relative_to(PACKAGE_DIR)}:{i}"
+        for path in PACKAGE_DIR.rglob("*.py")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert not found, found
+    assert probe.search('getattr(self._engine, "mesh", None)')
 
 
 def _imports(path):

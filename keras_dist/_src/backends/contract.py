@@ -68,6 +68,35 @@ class Engine(Protocol):
         shard one device holds."""
 
 
+class EngineDefaults:
+    """What an engine has unless it says otherwise: the optional
+    capabilities of an `Engine` (`OPTIONAL_ENGINE_CAPABILITIES`), declared
+    once with their defaults. Every backend's engine classes derive from
+    it, so that the front end reads ``engine.mesh`` or calls
+    ``engine.lay_out(model)`` without asking whether the engine has them
+    (`tests/test_contract.py` checks that every engine class does)."""
+
+    #: The engine's device mesh (a JAX `Mesh`, or the plan's
+    #: `DeviceMesh` on torch), or None for an engine without one.
+    mesh = None
+    #: Whether this process is the chief (True in a one-process job).
+    is_chief = True
+    #: ``model_methods(model) -> {name: bound method}``: calls of an
+    #: attached model that the engine runs itself (ParameterServerStrategy
+    #: runs `fit`'s coordinator loop), or None: Keras's own.
+    model_methods = None
+
+    def lay_out(self, model) -> None:
+        """Places a built model's variables (optimizer's included) where
+        the engine places variables itself after they are made (torch's
+        DTensor variables); engines whose variables take their place when
+        created (JAX, TensorFlow) do nothing."""
+
+
+#: The optional capabilities `EngineDefaults` declares.
+OPTIONAL_ENGINE_CAPABILITIES = ("mesh", "is_chief", "model_methods", "lay_out")
+
+
 # What a backend declares it can do (`backends.capabilities()`).
 Capabilities = _Capabilities
 

@@ -46,10 +46,9 @@ def lay_out(model) -> None:
     restore reads, and each process holds, only its own parts. Engines
     whose variables take their layout when created (JAX, TensorFlow) have
     nothing to do."""
-    engine = getattr(strategy_of(model), "extended", None)
-    place = getattr(engine, "lay_out", None)
-    if place is not None:
-        place(model)
+    strategy = strategy_of(model)
+    if strategy is not None:
+        strategy.extended.lay_out(model)
 
 
 def describe(model, runtime) -> dict:

@@ -134,8 +134,7 @@ def _placement_of(model):
     from keras_dist._src.checkpoint import runtime_glue
 
     strategy = runtime_glue.strategy_of(model)
-    engine = getattr(strategy, "extended", None)
-    find = getattr(engine, "placement", None)
+    find = strategy.extended.placement if strategy is not None else None
 
     def placement(variable):
         if find is None:

@@ -141,7 +141,7 @@ def attach(model, strategy) -> None:
     model.__dict__[STRATEGY_ATTR] = strategy
     # An engine may run some of these calls itself (ParameterServerStrategy
     # owns the coordinator loop of `fit`): its `model_methods`.
-    own = getattr(strategy.extended, "model_methods", None)
+    own = strategy.extended.model_methods
     own = own(model) if own is not None else {}
     for name in _WRAPPED_METHODS:
         bound = own.get(name) or getattr(type(model), name).__get__(model)

@@ -76,7 +76,7 @@ class TPUStrategy(Strategy):
     @property
     def mesh(self):
         """The engine's device mesh (JAX), or None (TensorFlow)."""
-        return getattr(self._engine, "mesh", None)
+        return self._engine.mesh
 
     def __repr__(self):
         return (

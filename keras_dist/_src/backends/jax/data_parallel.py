@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from keras import distribution as keras_distribution
 
+from keras_dist._src.backends.contract import EngineDefaults
 from keras_dist._src.backends.jax.devices import BATCH_AXIS, devices_by_name
 from keras_dist._src.backends.jax.engine import (
     SPMDEngine,
@@ -46,7 +47,7 @@ class _ExactDataParallel(keras_distribution.DataParallel):
         return super().get_data_layout(data_shape)
 
 
-class OneDeviceEngine:
+class OneDeviceEngine(EngineDefaults):
     """Everything placed on one device; Keras's own step, unchanged."""
 
     def __init__(self, device: str):

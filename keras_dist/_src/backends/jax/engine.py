@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from keras import distribution as keras_distribution
 from keras import tree
 
+from keras_dist._src.backends.contract import EngineDefaults
 from keras_dist._src.backends.jax.devices import OWN_MESHES
 from keras_dist._src.backends.jax.inputs import (
     distribute_dataset,
@@ -50,7 +51,7 @@ from keras_dist._src.options import InputOptions
 from keras_dist._src.values import PerReplica, ReduceOp, local_results
 
 
-class SPMDEngine:
+class SPMDEngine(EngineDefaults):
     """One jitted SPMD step on global batches; a policy lays out state.
 
     Args:

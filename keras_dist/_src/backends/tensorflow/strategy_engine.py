@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_dist._src.backends.contract import EngineDefaults
 from keras_dist._src.errors import VariablesOutsideScopeError
 from keras_dist._src.keras_glue import internals as glue
 from keras_dist._src.values import PerReplica, ReduceOp
 
 
-class StrategyEngine:
+class StrategyEngine(EngineDefaults):
     """The engine contract on the tf.distribute strategy `tf_strategy`.
 
     Args:

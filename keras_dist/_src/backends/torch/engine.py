@@ -31,6 +31,7 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_dist._src import context
+from keras_dist._src.backends.contract import EngineDefaults
 from keras_dist._src.backends.torch import devices as torch_devices
 from keras_dist._src.backends.torch.devices import torch_device
 from keras_dist._src.backends.torch.inputs import distribute_dataset
@@ -105,7 +106,7 @@ def _chief_initial_value(original):
     return _initialize
 
 
-class TorchEngine:
+class TorchEngine(EngineDefaults):
     """One rank of a job with a process per device; a policy subclass
     installs the steps.
 
@@ -323,7 +324,7 @@ class TorchEngine:
         return distribute_dataset(dataset, self.rank, self.world_size)
 
 
-class OneDeviceEngine:
+class OneDeviceEngine(EngineDefaults):
     """Keras's own torch step on one device, no process group."""
 
     is_chief = True

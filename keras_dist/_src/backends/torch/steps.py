@@ -57,7 +57,7 @@ class ModelSteps:
             # torch.compile; the policy's step (DDP or DTensor collectives,
             # exact global-batch losses) runs eagerly.
             self._jit_compile_noted = True
-            if getattr(self.engine, "is_chief", True):
+            if self.engine.is_chief:
                 warnings.warn(
                     "compile(jit_compile=True) is not applied by keras_dist's "
                     "torch step (DDP or DTensor collectives): the step runs "
