@@ -90,3 +90,37 @@ def test_jax_gather_keeps_64_bit_values_exact():
     for a, b in zip(arrays, got):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
+
+
+def test_jax_sync_moves_only_variables_whose_copies_differ():
+    """`sync_variables` broadcasts a variable only where two processes
+    hold the same part of it with different bytes (parts held by one
+    process, or equal copies, travel not at all)."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("JAX's multi-process engine")
+    import jax
+
+    from keras_dist._src.backends.jax import engine
+
+    slots = len(jax.local_devices())
+    one = np.zeros((3, slots, 2), np.uint64)
+    one[:, 0] = [[1, 10], [2, 20], [3, 30]]
+    other = one.copy()
+    other[1, 0, 1] = 21  # the same part of variable 1, other bytes
+    other[2, 0] = [4, 31]  # another part of variable 2: nothing to compare
+    assert engine.differing_parts([one, other]) == [False, True, False]
+    assert engine.differing_parts([one, one]) == [False, False, False]
+
+    # Fingerprints of this process: equal values give equal fingerprints,
+    # another value another one.
+    class Held:
+        def __init__(self, value):
+            self.value = value
+
+    a = engine._fingerprints([Held(jax.numpy.arange(6.0)), Held(np.ones(2))])
+    b = engine._fingerprints([Held(jax.numpy.arange(6.0)), Held(np.zeros(2))])
+    assert a.shape == (2, slots, 2)
+    assert (a[0] == b[0]).all() and (a[0] != 0).any()
+    assert (a[1, 0, 0] == b[1, 0, 0]) and (a[1, 0, 1] != b[1, 0, 1])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 
 import jax
 import numpy as np
@@ -188,8 +189,15 @@ class SPMDEngine(EngineDefaults):
 
     def sync_variables(self, variables) -> None:
         """Gives every process the chief's values of `variables` (e.g. after
-        the chief alone loaded weights)."""
-        for variable in variables:
+        the chief alone loaded weights).
+
+        First one small collective compares fingerprints of every part of
+        each variable that several processes hold (`_parts_that_differ`);
+        only a variable whose copies differ travels, whole, from the
+        chief. Variables made in the scope already hold the chief's
+        values, so attaching a model moves none of them."""
+        variables = list(variables)
+        for variable in _parts_that_differ(variables):
             sharding = self.sharding_of(variable.value)
             value = _from_chief(host_value(variable.value))
             glue.set_variable_value(variable, self.put(value, sharding))
@@ -378,6 +386,66 @@ def _gathering_array(original):
         return original(self, dtype)
 
     return __array__
+
+
+def _fingerprints(variables) -> np.ndarray:
+    """``[variable, slot, (where, what)]``: for each part of each variable
+    this process holds (one slot per local device at most, in device
+    order), a 64-bit hash of the part's place in the whole value and one
+    of its bytes; zeros in an unused slot."""
+    slots = len(jax.local_devices())
+    out = np.zeros((len(variables), slots, 2), np.uint64)
+    for i, variable in enumerate(variables):
+        value = variable.value
+        if isinstance(value, jax.Array):
+            parts = [
+                (tuple((s.start, s.stop) for s in shard.index), shard.data)
+                for shard in sorted(
+                    value.addressable_shards, key=lambda s: s.device.id
+                )
+            ]
+        else:
+            parts = [("whole", value)]
+        for j, (where, data) in enumerate(parts[:slots]):
+            data = np.ascontiguousarray(np.asarray(data)).reshape(-1)
+            out[i, j, 0] = _hash64(repr(where).encode())
+            out[i, j, 1] = _hash64(data.view(np.uint8))
+    return out
+
+
+def _hash64(data) -> int:
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _parts_that_differ(variables) -> list:
+    """The `variables` of which some part, held by several processes,
+    differs between them (the same list on every process: every process
+    decides from the same gathered fingerprints)."""
+    if not variables:
+        return []
+    gathered = process_allgather([_fingerprints(variables)])
+    differs = differing_parts([g[0] for g in gathered])
+    return [v for v, d in zip(variables, differs) if d]
+
+
+def differing_parts(fingerprints) -> list:
+    """For each variable, whether two processes hold the same part of it
+    (the same place in the whole value) with different bytes, from every
+    process's `_fingerprints` (zeros: no part on that device)."""
+    count = fingerprints[0].shape[0]
+    result = []
+    for i in range(count):
+        seen = {}
+        differs = False
+        for process in fingerprints:
+            for where, what in process[i]:
+                if not where and not what:
+                    continue
+                if seen.setdefault(int(where), int(what)) != int(what):
+                    differs = True
+        result.append(differs)
+    return result
 
 
 def _from_chief(value):
