@@ -79,8 +79,6 @@ class EngineDefaults:
     #: The engine's device mesh (a JAX `Mesh`, or the plan's
     #: `DeviceMesh` on torch), or None for an engine without one.
     mesh = None
-    #: Whether this process is the chief (True in a one-process job).
-    is_chief = True
     #: ``model_methods(model) -> {name: bound method}``: calls of an
     #: attached model that the engine runs itself (ParameterServerStrategy
     #: runs `fit`'s coordinator loop), or None: Keras's own.
@@ -94,7 +92,7 @@ class EngineDefaults:
 
 
 #: The optional capabilities `EngineDefaults` declares.
-OPTIONAL_ENGINE_CAPABILITIES = ("mesh", "is_chief", "model_methods", "lay_out")
+OPTIONAL_ENGINE_CAPABILITIES = ("mesh", "model_methods", "lay_out")
 
 
 # What a backend declares it can do (`backends.capabilities()`).
