@@ -385,28 +385,24 @@ def _init_process_group(backend, environment, listener=None) -> None:
             # and every new_group's); without it gloo listens on the
             # address this host's name resolves to.
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+    master = {}
     if rank == 0:
         if listener is None:
             listener = binding.listen_socket(
                 host, int(environment.coordinator_port)
             )
-        store = dist.TCPStore(
-            environment.coordinator_host,
-            int(environment.coordinator_port),
-            world,
-            is_master=True,
-            timeout=collective_timeout(),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),  # the store owns it now
+        # The store owns the listening socket from here.
+        master = dict(
+            wait_for_workers=False, master_listen_fd=listener.detach()
         )
-    else:
-        store = dist.TCPStore(
-            environment.coordinator_host,
-            int(environment.coordinator_port),
-            world,
-            is_master=False,
-            timeout=collective_timeout(),
-        )
+    store = dist.TCPStore(
+        environment.coordinator_host,
+        int(environment.coordinator_port),
+        world,
+        is_master=rank == 0,
+        timeout=collective_timeout(),
+        **master,
+    )
     dist.init_process_group(
         backend,
         store=store,
