@@ -7,7 +7,7 @@
 #
 # The runs go in two lanes at once (most tests keep one core busy; on a
 # 2-core machine that cuts the wall time by about a third): TensorFlow,
-# torch's feature matrix and layout tests, then the newest Keras's
+# torch's feature matrix, layout and memory-cap tests, then the newest Keras's
 # TensorFlow subset; beside JAX, the rest of torch, then the newest
 # Keras's JAX and torch subsets. A line is printed as each run starts and
 # ends; each lane's whole output is printed when the lane ends.
@@ -154,13 +154,14 @@ run() {
 
 MATRIX=tests/test_feature_matrix.py
 LAYOUTS=tests/torch/test_torch_model_parallel.py
+CAPPED=tests/torch/test_torch_memory_cap.py
 PINNED=("$VENV/bin/python" "keras-pinned")
 NEWEST=("$NEXT_VENV/bin/python" "keras-next")
 
 lane_a() {
   local s=0
   run "${PINNED[@]}" tensorflow || s=1
-  run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" || s=1
+  run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" "$CAPPED" || s=1
   if [ "$NEXT" = "1" ]; then
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" tensorflow \
       "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
@@ -171,7 +172,8 @@ lane_a() {
 lane_b() {
   local s=0
   run "${PINNED[@]}" jax || s=1
-  run "${PINNED[@]}" torch tests --ignore="$MATRIX" --ignore="$LAYOUTS" || s=1
+  run "${PINNED[@]}" torch tests --ignore="$MATRIX" --ignore="$LAYOUTS" \
+    --ignore="$CAPPED" || s=1
   if [ "$NEXT" = "1" ]; then
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" jax \
       "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
