@@ -187,6 +187,10 @@ def one_replica_advice(strategy, process_per_device: bool) -> str | None:
     total = mesh.size if mesh is not None else strategy.num_replicas_in_sync
     if total != 1 or strategy.num_workers != 1:
         return None
+    if os.environ.get("KERAS_DIST_LAUNCHED"):  # launch.ENV_LAUNCHED
+        # ``keras-dist launch`` chose one worker (--nproc-per-node 1, or a
+        # job that went on with the nodes left): it says so itself.
+        return None
     name = type(strategy).__name__
     device = strategy.plan.devices[0] if strategy.plan.devices else "?"
     if process_per_device:

@@ -17,6 +17,10 @@ kill or a preemption (up to N times), and ``--hang-timeout`` ends a job
 whose training stops making progress, with every worker's stack: see
 `restarts` and guides/fault_tolerance.md.
 
+With several nodes, ``--max-restarts`` and elastic ``--nnodes MIN:MAX``
+restart the whole job on every node from a rendezvous that node 0's
+launcher serves on ``--master-addr:--master-port`` (`elastic`).
+
 ``--ps N --workers M`` starts a whole parameter-server job on this host
 instead (`parameter_server.launch_ps`).
 """
@@ -28,7 +32,7 @@ import dataclasses
 import json
 import os
 
-from keras_dist._src.cluster import progress, restarts
+from keras_dist._src.cluster import elastic, progress, restarts
 from keras_dist._src.cluster.launcher import (
     ENV_LAUNCHED,
     free_port,
@@ -58,6 +62,21 @@ class LaunchConfig:
     restart_backoff: float = 1.0
     hang_timeout: float | None = None
     startup_timeout: float | None = None
+    #: ``--nnodes MIN:MAX``: the fewest nodes the job goes on with (None:
+    #: `nnodes`, the most).
+    min_nodes: int | None = None
+    #: ``--rdzv-timeout``: how long a round of a multi-node job with
+    #: restarts waits for its nodes.
+    rdzv_timeout: float = elastic.DEFAULT_RDZV_TIMEOUT_S
+
+    @property
+    def rendezvous(self) -> bool:
+        """Whether the nodes meet at node 0's rendezvous (`elastic`): with
+        several nodes, restarts or elastic membership."""
+        elastic_nodes = self.min_nodes is not None and (
+            self.min_nodes < self.nnodes
+        )
+        return self.nnodes > 1 and (bool(self.max_restarts) or elastic_nodes)
 
     def policy(self) -> restarts.RestartPolicy:
         """The restart and hang settings, with ``KERAS_DIST_HANG_TIMEOUT``
@@ -112,14 +131,24 @@ class LaunchConfig:
                 "--master-port is needed with --nnodes > 1: every node must "
                 "use the same port on the master (node 0)."
             )
-        if self.max_restarts and (self.nnodes > 1 or self.ps):
+        if self.min_nodes is not None and not (
+            1 <= self.min_nodes <= self.nnodes
+        ):
             raise ValueError(
-                "--max-restarts restarts the workers of one node "
-                "(--nnodes 1) for now: with several nodes each launcher "
-                "would restart on its own and meet a stale rendezvous, "
-                "and a --ps job is not restarted. Let the scheduler "
-                "requeue the job (exit code 75 after a preemption) "
-                "instead; see guides/fault_tolerance.md."
+                f"--nnodes {self.min_nodes}:{self.nnodes}: give MIN:MAX "
+                "with 1 <= MIN <= MAX."
+            )
+        if not 0 < self.rdzv_timeout < float("inf"):
+            raise ValueError(
+                f"--rdzv-timeout {self.rdzv_timeout}: give a positive "
+                "number of seconds."
+            )
+        if self.max_restarts and self.ps:
+            raise ValueError(
+                "--max-restarts does not restart a --ps job: its "
+                "coordinator tolerates lost workers itself. Let the "
+                "scheduler requeue the job instead; see "
+                "guides/fault_tolerance.md."
             )
         policy = self.policy()
         if self.ps and policy.startup is not None:
@@ -130,18 +159,21 @@ class LaunchConfig:
 
 
 def worker_environments(
-    config: LaunchConfig, base=None, extra=None
+    config: LaunchConfig, base=None, extra=None, tf_addresses=None
 ) -> list[dict]:
     """The environment of each local worker (without starting any):
     `base` (default: this process's) with `extra` and the job's
-    variables."""
+    variables; `tf_addresses` (every worker's ``host:port``, in rank
+    order) gives TensorFlow's workers a TF_CONFIG on several nodes."""
     base = dict(os.environ if base is None else base)
     base.update(extra or {})
     port = config.master_port or free_port(config.master_addr)
     world = config.nnodes * config.nproc_per_node
     tf_config = None
     backend = base.get("KERAS_BACKEND") or _configured_backend()
-    if backend == "tensorflow" and config.nnodes == 1:
+    if backend == "tensorflow" and tf_addresses:
+        tf_config = list(tf_addresses)
+    elif backend == "tensorflow" and config.nnodes == 1:
         # tf.distribute's workers each serve on an address of their own.
         addresses = [
             f"{config.master_addr}:{free_port(config.master_addr)}"
@@ -208,6 +240,8 @@ def launch(config: LaunchConfig) -> int:
             config.command, config.workers, config.ps, config.master_addr
         )
     command = script_command(config.command)
+    if config.rendezvous:
+        return _launch_nodes(config, command)
     ranks = [
         config.node_rank * config.nproc_per_node + local
         for local in range(config.nproc_per_node)
@@ -225,10 +259,71 @@ def launch(config: LaunchConfig) -> int:
     return restarts.run(start_attempt, config.policy(), ranks)
 
 
+def _launch_nodes(config: LaunchConfig, command) -> int:
+    """`launch` for a multi-node job with restarts or elastic membership:
+    rounds of the job from node 0's rendezvous (`elastic.run`)."""
+
+    def local_ranks(node_rank, nnodes):
+        del nnodes
+        first = node_rank * config.nproc_per_node
+        return list(range(first, first + config.nproc_per_node))
+
+    def start_round(node_rank, nnodes, port, addresses, extra_env, supervise):
+        this_round = dataclasses.replace(
+            config, node_rank=node_rank, nnodes=nnodes, master_port=port
+        )
+        envs = worker_environments(
+            this_round, extra=extra_env, tf_addresses=addresses
+        )
+        tasks = [(int(e["RANK"]), f"[rank {e['RANK']}] ", e) for e in envs]
+        return run_supervised(command, tasks, supervise)
+
+    nodes = elastic.Nodes(
+        min_nodes=config.min_nodes or config.nnodes,
+        max_nodes=config.nnodes,
+        node_rank=config.node_rank,
+        addr=config.master_addr,
+        port=config.master_port,
+        timeout=config.rdzv_timeout,
+    )
+    return elastic.run(nodes, config.policy(), start_round, local_ranks)
+
+
+def _nnodes(text: str):
+    """``--nnodes N`` or ``MIN:MAX`` -> (MIN or None, MAX)."""
+    low, sep, high = text.partition(":")
+    try:
+        if not sep:
+            return None, int(text)
+        return int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes {text!r}: give N or MIN:MAX (whole numbers)."
+        ) from None
+
+
 def add_arguments(parser) -> None:
     """Adds ``keras-dist launch``'s options to an argparse parser."""
     parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument(
+        "--nnodes",
+        type=_nnodes,
+        default=(None, 1),
+        metavar="N|MIN:MAX",
+        help="nodes in the job; MIN:MAX (elastic): a job that loses nodes "
+        "goes on with at least MIN after --rdzv-timeout, restarting from "
+        "its checkpoint (needs --master-port, the rendezvous on node 0)",
+    )
+    parser.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=elastic.DEFAULT_RDZV_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long each round of a multi-node job with restarts waits "
+        "for its nodes (default "
+        f"{elastic.DEFAULT_RDZV_TIMEOUT_S:g}): then it goes on with at "
+        "least MIN",
+    )
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", type=int, default=None)
@@ -303,7 +398,11 @@ def config_from_args(args) -> LaunchConfig:
     return LaunchConfig(
         command=[args.script, *args.script_args],
         nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
+        nnodes=args.nnodes[1],
+        min_nodes=args.nnodes[0],
+        rdzv_timeout=getattr(
+            args, "rdzv_timeout", elastic.DEFAULT_RDZV_TIMEOUT_S
+        ),
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,

@@ -112,10 +112,13 @@ class Outcome:
     """How one attempt ended."""
 
     code: int  # the launcher's exit code if it ends here
-    kind: str  # "ok", "preempted", "failed" or "hung"
+    #: "ok", "preempted", "failed", "hung" or "stopped" (by another node's
+    #: failure, `detail` says which).
+    kind: str
     rank: int | None = None
     returncode: int | None = None
     position: progress.Position | None = None
+    detail: str = ""
 
     def internal(self) -> bool:
         """Whether the script itself failed (an exception, a crash, a
@@ -139,6 +142,8 @@ class Outcome:
         """``"worker rank 1 was killed by SIGKILL at step 7"``."""
         if self.kind == "preempted":
             return "workers stopped for preemption (exit 75)"
+        if self.kind == "stopped":
+            return self.detail
         what = (
             "hung"
             if self.kind == "hung"
@@ -173,15 +178,7 @@ def run(start_attempt, policy: RestartPolicy, ranks) -> int:
     previous = None
     try:
         for restart in range(policy.max_restarts + 1):
-            env = {progress.ENV_RESTART_COUNT: str(restart)}
-            board = None
-            if directory is not None:
-                for name in os.listdir(directory):
-                    os.unlink(os.path.join(directory, name))
-                env[progress.ENV_PROGRESS_DIR] = directory
-                board = progress.ProgressBoard(directory, ranks)
-            if policy.hang_timeout is not None:
-                env[progress.ENV_HANG_TIMEOUT] = f"{policy.hang_timeout:g}"
+            env, board = attempt_setup(policy, directory, restart, ranks)
             signalled = []
 
             def supervise(procs, board=board, signalled=signalled):
@@ -236,6 +233,22 @@ def run(start_attempt, policy: RestartPolicy, ranks) -> int:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def attempt_setup(policy, directory, restart, ranks):
+    """The workers' extra environment for attempt `restart` and the
+    `progress.ProgressBoard` that reads their reports (None when they do
+    not report); `directory` is emptied of the last attempt's reports."""
+    env = {progress.ENV_RESTART_COUNT: str(restart)}
+    board = None
+    if directory is not None:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        env[progress.ENV_PROGRESS_DIR] = directory
+        board = progress.ProgressBoard(directory, ranks)
+    if policy.hang_timeout is not None:
+        env[progress.ENV_HANG_TIMEOUT] = f"{policy.hang_timeout:g}"
+    return env, board
+
+
 def _exit_words(outcome: Outcome) -> str:
     if outcome.kind == "hung":
         return f"hang timeout, exit {outcome.code}"
@@ -268,11 +281,21 @@ def _record_stop_signals(signalled: list) -> None:
         signal.signal(sig, record)
 
 
-def _supervise(procs, board, policy, signalled) -> Outcome:
-    """Watches one attempt's workers until it ends (see `run`)."""
+def _supervise(procs, board, policy, signalled, remote=None) -> Outcome:
+    """Watches one attempt's workers until it ends (see `run`).
+
+    `remote`, when given, is called at every poll: a non-empty string
+    (another node's failure) stops this node's workers and ends the
+    attempt as ``"stopped"``; a local failure is passed to
+    ``remote.failed(description)``."""
     _record_stop_signals(signalled)
     preempted = set()
     while True:
+        elsewhere = remote() if remote is not None else ""
+        if elsewhere:
+            log(f"{elsewhere}; stopping the workers of this node.")
+            stop_processes(procs.values(), RESTART_STOP_GRACE_S)
+            return Outcome(1, "stopped", detail=elsewhere)
         codes = {rank: proc.poll() for rank, proc in procs.items()}
         if board is not None:
             board.poll()
@@ -287,11 +310,14 @@ def _supervise(procs, board, policy, signalled) -> Outcome:
                     "the other workers of this node."
                 )
                 position = _job_position(board, procs)
-                if policy.max_restarts:
-                    stop_processes(procs.values(), RESTART_STOP_GRACE_S)
-                return Outcome(
+                outcome = Outcome(
                     exit_status(code), "failed", rank, code, position
                 )
+                if remote is not None:
+                    remote.failed(outcome.describe())
+                if policy.max_restarts or remote is not None:
+                    stop_processes(procs.values(), RESTART_STOP_GRACE_S)
+                return outcome
         if None not in codes.values():
             if preempted:
                 return Outcome(PREEMPTION_EXIT_CODE, "preempted")
@@ -299,7 +325,10 @@ def _supervise(procs, board, policy, signalled) -> Outcome:
         if board is not None:
             stalled = board.stalled(policy.hang_timeout, policy.startup)
             if stalled:
-                return _hung(procs, board, stalled, policy)
+                outcome = _hung(procs, board, stalled, policy)
+                if remote is not None:
+                    remote.failed(outcome.describe())
+                return outcome
         time.sleep(POLL_S)
 
 
