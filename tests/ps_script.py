@@ -517,21 +517,16 @@ def same_script():
 
 
 def launched():
-    """The chief of a `keras-dist launch --ps 1 --workers 2` job (argv: the
-    job's directory): worker 1 is killed as epoch 1 begins (tolerated), ps
-    0 as epoch 2 begins (the launcher ends the job); Keras's
-    BackupAndRestore has saved epochs 0 and 1 by then."""
+    """The chief of a `keras-dist launch --ps 1 --workers 2 --max-restarts
+    2` job (argv: the job's directory). In the first run worker 1 is
+    killed as epoch 1 begins (started again by the launcher) and ps 0 as
+    epoch 2 begins (the launcher restarts the job); Keras's
+    BackupAndRestore has saved epochs 0 and 1 by then, and the second run
+    resumes at epoch 2."""
     strategy = keras_dist.ParameterServerStrategy()  # TF_CONFIG: the chief
     print("STRATEGY " + repr(strategy), flush=True)
-    return _fit_with_backup(strategy, sys.argv[2], kill=True)
-
-
-def resume():
-    """The restarted job (argv: the directory of `launched`'s job), here
-    with an in-process cluster of 1 worker and 1 ps: the same fit resumes
-    at epoch 2."""
-    strategy = keras_dist.ParameterServerStrategy(ps.in_process_cluster(1, 1))
-    return _fit_with_backup(strategy, sys.argv[2], kill=False)
+    first = os.environ.get("KERAS_DIST_RESTART_COUNT", "0") == "0"
+    return _fit_with_backup(strategy, sys.argv[2], kill=first)
 
 
 def _fit_with_backup(strategy, directory, kill):
@@ -574,7 +569,6 @@ def _fit_with_backup(strategy, directory, kill):
 if __name__ == "__main__":
     result = {
         "launched": launched,
-        "resume": resume,
         "one_worker": one_worker,
         "two_workers": two_workers,
         "killed_worker": killed_worker,

@@ -371,8 +371,11 @@ def test_launch_ps_names_every_task_found_dead_in_one_poll(capfd):
             ("worker", 0): Task(None),
             ("worker", 1): Task(-signal.SIGKILL),
         }
-        code = _supervise_ps(procs, dict.fromkeys(procs, address), 2, 30)
+        no_restarts = {"left": 0, "used": 0}
+        code, lost_ps = _supervise_ps(
+            procs, dict.fromkeys(procs, address), 2, 30, None, no_restarts
+        )
     err = capfd.readouterr().err
-    assert code == 128 + signal.SIGKILL
+    assert code == 128 + signal.SIGKILL and lost_ps
     tolerated = err.index("worker task 1 was killed by SIGKILL; tolerated")
     assert tolerated < err.index("ps task 0 was killed by SIGKILL")

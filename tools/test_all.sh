@@ -127,7 +127,7 @@ NEXT_SKIP=(
   "tests/torch/test_torch_checkpoint.py::test_sigterm_stops_both_ranks_and_resumes_exactly[rank0]"
   --deselect tests/test_parameter_server.py::test_killed_worker_is_tolerated
   --deselect
-  tests/test_parameter_server.py::test_launch_ps_job_lost_ps_ends_it_and_backup_resumes
+  tests/test_parameter_server.py::test_launch_ps_job_replaces_a_worker_and_restarts_after_a_lost_ps
   --deselect
   tests/test_parameter_server.py::test_same_script_serves_on_worker_and_ps_tasks
 )

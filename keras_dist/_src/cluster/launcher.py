@@ -325,7 +325,9 @@ def script_command(command: list) -> list:
     return command
 
 
-def run_supervised(command, tasks, supervise, grace=STOP_GRACE_S) -> int:
+def run_supervised(
+    command, tasks, supervise, grace=STOP_GRACE_S, respawn=False
+) -> int:
     """Runs one process of `command` per task until `supervise` ends the
     job; every process is stopped before this returns.
 
@@ -342,6 +344,9 @@ def run_supervised(command, tasks, supervise, grace=STOP_GRACE_S) -> int:
         supervise: called with ``{key: Popen}`` once every task started;
             returns the job's exit code when the job is over.
         grace: seconds between SIGTERM and SIGKILL at the end.
+        respawn: also give `supervise` a function ``start(key)`` that
+            starts that task again (its process ended), with its
+            environment and prefix.
 
     Returns:
         What `supervise` returned.
@@ -354,25 +359,34 @@ def run_supervised(command, tasks, supervise, grace=STOP_GRACE_S) -> int:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    specs = {key: (prefix, env) for key, prefix, env in tasks}
+
+    def start(key):
+        prefix, env = specs[key]
+        proc = spawn(
+            command,
+            env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            encoding="utf-8",
+            errors="replace",  # a stray byte must not stop the pump
+            bufsize=1,
+        )
+        procs[key] = proc
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, prefix), daemon=True
+        )
+        pump.start()
+        pumps.append(pump)
+        return proc
+
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
-        for key, prefix, env in tasks:
-            proc = spawn(
-                command,
-                env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                encoding="utf-8",
-                errors="replace",  # a stray byte must not stop the pump
-                bufsize=1,
-            )
-            procs[key] = proc
-            pump = threading.Thread(
-                target=_pump, args=(proc.stdout, prefix), daemon=True
-            )
-            pump.start()
-            pumps.append(pump)
+        for key, _, _ in tasks:
+            start(key)
+        if respawn:
+            return supervise(procs, start)
         return supervise(procs)
     finally:
         stop_processes(procs.values(), grace)

@@ -143,13 +143,6 @@ class LaunchConfig:
                 f"--rdzv-timeout {self.rdzv_timeout}: give a positive "
                 "number of seconds."
             )
-        if self.max_restarts and self.ps:
-            raise ValueError(
-                "--max-restarts does not restart a --ps job: its "
-                "coordinator tolerates lost workers itself. Let the "
-                "scheduler requeue the job instead; see "
-                "guides/fault_tolerance.md."
-            )
         policy = self.policy()
         if self.ps and policy.startup is not None:
             raise ValueError(
@@ -237,7 +230,12 @@ def launch(config: LaunchConfig) -> int:
         from keras_dist._src.cluster.parameter_server import launch_ps
 
         return launch_ps(
-            config.command, config.workers, config.ps, config.master_addr
+            config.command,
+            config.workers,
+            config.ps,
+            config.master_addr,
+            max_restarts=config.max_restarts,
+            backoff=config.restart_backoff,
         )
     command = script_command(config.command)
     if config.rendezvous:
@@ -354,10 +352,12 @@ def add_arguments(parser) -> None:
         default=0,
         metavar="N",
         help="when a worker fails, is killed, hangs or is preempted, stop "
-        "this node's workers and start them all again, up to N times "
-        "(default 0); workers see KERAS_DIST_RESTART_COUNT, and "
+        "the workers (on every node) and start them all again, up to N "
+        "times (default 0); workers see KERAS_DIST_RESTART_COUNT, and "
         "BackupAndRestore resumes at the saved step. Two failures in a "
-        "row at the same step stop the restarts (a bug, not a fault)",
+        "row at the same step stop the restarts (a bug, not a fault). "
+        "With --ps: a dead worker task is started again, a lost ps task "
+        "restarts the job",
     )
     parser.add_argument(
         "--restart-backoff",

@@ -304,6 +304,8 @@ def launch_ps(
     num_ps: int,
     host: str = "127.0.0.1",
     start_timeout: float = 300.0,
+    max_restarts: int = 0,
+    backoff: float = 1.0,
 ) -> int:
     """``keras-dist launch --ps N --workers M``: runs a whole
     parameter-server job on this host and supervises it.
@@ -324,6 +326,14 @@ def launch_ps(
     * the chief's exit ends the job with the chief's exit code, stopping
       the ps and worker tasks (which serve until stopped).
 
+    With ``--max-restarts N`` (`max_restarts`), up to N times in all: a
+    worker task that dies is started again on its address, and the
+    chief's coordinator sends it closures again once it serves; a lost ps
+    task restarts the whole job (every task, fresh ports, after
+    `backoff` seconds doubled each time), and ``BackupAndRestore`` resumes
+    `fit` from the last epoch it saved. Tasks see the job's restart count
+    in ``KERAS_DIST_RESTART_COUNT``.
+
     Args:
         command: the program and its arguments (a ``.py`` script runs with
             this Python).
@@ -331,35 +341,57 @@ def launch_ps(
         num_ps: ps tasks.
         host: the address the tasks listen on.
         start_timeout: seconds for the ps and worker tasks to listen.
+        max_restarts: worker replacements and job restarts allowed.
+        backoff: seconds before the first job restart.
 
     Returns:
         The exit code: the chief's, or the failed task's (128 + the signal
         for a task killed by a signal).
     """
     command = script_command(command)
-    tasks = [
-        (
-            (kind, index),
-            "[chief] " if kind == "chief" else f"[{kind} {index}] ",
-            env,
+    budget = {"left": max_restarts, "used": 0}
+    for attempt in range(max_restarts + 1):
+        base = dict(os.environ, KERAS_DIST_RESTART_COUNT=str(attempt))
+        tasks = [
+            (
+                (kind, index),
+                "[chief] " if kind == "chief" else f"[{kind} {index}] ",
+                env,
+            )
+            for kind, index, env in ps_task_environments(
+                num_workers, num_ps, host, base
+            )
+        ]
+        addresses = {key: _address(env) for key, _, env in tasks}
+        # All at once (the chief waits until the others listen: see
+        # wait_until_listening), so that their starts overlap.
+        code, lost_ps = run_supervised(
+            command,
+            tasks,
+            lambda procs, start, a=addresses: _supervise_ps(
+                procs, a, num_workers, start_timeout, start, budget
+            ),
+            respawn=True,
         )
-        for kind, index, env in ps_task_environments(num_workers, num_ps, host)
-    ]
-    addresses = {key: _address(env) for key, _, env in tasks}
-    # All at once (the chief waits until the others listen: see
-    # wait_until_listening), so that their starts overlap.
-    return run_supervised(
-        command,
-        tasks,
-        lambda procs: _supervise_ps(
-            procs, addresses, num_workers, start_timeout
-        ),
-    )
+        if not lost_ps or budget["left"] < 1:
+            return code
+        budget["left"] -= 1
+        budget["used"] += 1
+        delay = min(backoff * 2**attempt, 30.0)
+        log(
+            f"restarting the whole job (restart {budget['used']} of "
+            f"{max_restarts}) in {delay:.1f} s: BackupAndRestore resumes "
+            "fit from the last epoch it saved."
+        )
+        time.sleep(delay)
+    return code
 
 
-def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
+def _supervise_ps(
+    procs, addresses, num_workers, start_timeout, start, budget
+) -> tuple:
     """Watches a parameter-server job (`launch_ps`'s rules); returns its
-    exit code."""
+    exit code and whether a ps task was lost."""
     lost_workers = set()
     waiting = {key for key in procs if key[0] != "chief"}
     deadline = time.monotonic() + start_timeout
@@ -373,7 +405,7 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
                 f"{sorted(waiting)} did not listen within "
                 f"{start_timeout:.0f} s; stopping the job."
             )
-            return 1
+            return (1, False)
         chief = codes[("chief", 0)]
         if chief is not None:
             if chief != 0:
@@ -381,7 +413,7 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
                     f"the chief {describe_exit(chief)}; stopping the ps "
                     "and worker tasks."
                 )
-            return exit_status(chief)
+            return (exit_status(chief), False)
         # Workers before ps tasks: a worker and a ps task found dead in one
         # poll are both reported (the lost ps task then ends the job).
         for (kind, index), code in sorted(
@@ -398,17 +430,32 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
                     "keras_dist.serve() or keras_dist."
                     "ParameterServerStrategy()). Stopping the job."
                 )
-                return exit_status(code) or 1
+                return (exit_status(code) or 1, False)
             if kind == "ps":
+                after = (
+                    "Restart the job: a BackupAndRestore callback resumes "
+                    "fit from the last epoch it saved."
+                    if budget["left"] < 1
+                    else "Restarting the job (--max-restarts)."
+                )
                 log(
                     f"ps task {index} {describe_exit(code)}: the variables "
                     "it held are lost, so the job cannot continue "
                     "(tf.distribute ends a parameter-server job that loses "
-                    "a ps task). Stopping the chief and the workers. "
-                    "Restart the job: a BackupAndRestore callback resumes "
-                    "fit from the last epoch it saved."
+                    "a ps task). Stopping the chief and the workers. " + after
                 )
-                return exit_status(code) or 1
+                return (exit_status(code) or 1, True)
+            if budget["left"] > 0:
+                budget["left"] -= 1
+                budget["used"] += 1
+                log(
+                    f"worker task {index} {describe_exit(code)}; starting "
+                    f"it again (restart {budget['used']} of "
+                    f"{budget['used'] + budget['left']}): the chief's "
+                    "coordinator sends it steps again once it serves."
+                )
+                start((kind, index))
+                continue
             if index not in lost_workers:
                 lost_workers.add(index)
                 log(
@@ -422,7 +469,7 @@ def _supervise_ps(procs, addresses, num_workers, start_timeout) -> int:
                         "every worker task is gone, so no step can run; "
                         "stopping the job."
                     )
-                    return exit_status(code) or 1
+                    return (exit_status(code) or 1, False)
         return None
 
     return watch_processes(procs, decide, 0.2)
