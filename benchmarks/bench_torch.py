@@ -13,6 +13,12 @@ Compares, on the same model and data:
   (malloc as it comes, as before that setting existed);
 * ``keras_x2``: two of those one-process Keras fits at the same time, so
   that both cores are busy as they are with keras_dist's two ranks;
+* ``keras_upstream`` (Keras 3.16 and later, not in the default modes):
+  Keras's own ``keras.distribution.DataParallel`` on 2 gloo processes
+  (Keras wraps the model in DDP), ``B`` rows a process a step from a torch
+  DataLoader; the target is keras_dist / keras_upstream <= 1.0;
+  ``keras_upstream_tuned``: the same with malloc tuned as keras_dist's
+  ranks;
 * ``torch``: a plain PyTorch loop in one process, batch ``B``;
 * ``ddp``: the same loop with `DistributedDataParallel` over 2 gloo
   processes, batch ``B`` per process (torch's `SyncBatchNorm` only runs on
@@ -320,8 +326,69 @@ def run_ddp(steps):
     return seconds if rank == 0 else None
 
 
+def run_keras_upstream(steps):
+    """Keras's own torch data parallelism (Keras 3.16 and later):
+    ``keras.distribution.DataParallel`` over 2 gloo processes, each fitting
+    its own ``BATCH`` rows a step from a torch DataLoader (Keras wraps the
+    model in DDP)."""
+    import keras
+    import torch
+
+    from keras_dist._src.cluster import detect_environment, launcher
+
+    if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 16):
+        raise SystemExit(
+            f"keras_upstream needs Keras 3.16's torch distribution; this is "
+            f"Keras {keras.__version__} (requirements/keras-next.txt)"
+        )
+    world = 2
+    if not detect_environment().is_distributed:
+        port = launcher.free_port()
+        children = launcher.start_workers(world, port)
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    else:
+        children = {}
+    rank = int(os.environ["RANK"])
+    launcher.bind_to_cores(rank, 2)
+    keras.distribution.initialize()
+    distribution = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()
+    )
+    distribution.auto_shard_dataset = False  # each rank reads its own rows
+    keras.distribution.set_distribution(distribution)
+    x, y = _data(world * BATCH * (steps + WARMUP))
+    x, y = x[rank::world], y[rank::world]  # this process's rows
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.as_tensor(x), torch.as_tensor(y)),
+        batch_size=BATCH,
+        shuffle=False,
+    )
+    model = _keras_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(loader, epochs=1, steps_per_epoch=WARMUP, verbose=0)
+    torch.distributed.barrier()
+    clock = _Clock()
+    model.fit(loader, epochs=1, steps_per_epoch=steps, verbose=0)
+    torch.distributed.barrier()
+    seconds = clock.per_step(steps)
+    torch.distributed.destroy_process_group()
+    for proc in children.values():
+        proc.wait()
+    return seconds if rank == 0 else None
+
+
 MODES = {
     "keras": run_keras,
+    "keras_upstream": run_keras_upstream,
+    "keras_upstream_tuned": _tuned_malloc(run_keras_upstream),
     "keras_tuned": _tuned_malloc(run_keras),
     "keras_dist": run_keras_dist,
     "keras_dist_untuned": run_keras_dist_untuned,
@@ -383,8 +450,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--modes",
-        default=",".join([*MODES, "keras_x2"]),
-        help="comma-separated modes to run (default: all)",
+        default=",".join([m for m in MODES if "upstream" not in m])
+        + ",keras_x2",
+        help="comma-separated modes to run (default: all but "
+        "keras_upstream, which needs Keras 3.16)",
     )
     args = parser.parse_args()
     if args.mode:
@@ -421,6 +490,8 @@ def main():
         ("keras_dist", "keras_tuned", "(the same allocator)"),
         ("keras_dist_untuned", "keras", "(before the allocator setting)"),
         ("keras_dist", "keras_x2", ""),
+        ("keras_dist", "keras_upstream", "(Keras 3.16's own DataParallel)"),
+        ("keras_dist", "keras_upstream_tuned", "(the same allocator)"),
         ("keras_dist", "ddp", ""),
         ("keras_dist", "ddp_tuned", "(the same allocator)"),
         ("ddp", "torch", "(what gloo costs torch itself)"),
