@@ -350,7 +350,7 @@ def run(nodes: Nodes, policy, start_round, local_ranks) -> int:
             remote = _Remote(board, number)
 
             def supervise(procs, b=progress_board, s=signalled, r=remote):
-                return restarts._supervise(procs, b, policy, s, r)
+                return restarts.supervise_attempt(procs, b, policy, s, r)
 
             outcome = start_round(
                 node_rank,
@@ -395,7 +395,7 @@ def run(nodes: Nodes, policy, start_round, local_ranks) -> int:
 
 
 class _Remote:
-    """What `restarts._supervise` asks at each poll: another node's
+    """What `restarts.supervise_attempt` asks at each poll: another node's
     failure; and where it reports this node's."""
 
     def __init__(self, board, number):

@@ -182,7 +182,7 @@ def run(start_attempt, policy: RestartPolicy, ranks) -> int:
             signalled = []
 
             def supervise(procs, board=board, signalled=signalled):
-                return _supervise(procs, board, policy, signalled)
+                return supervise_attempt(procs, board, policy, signalled)
 
             outcome = start_attempt(env, supervise)
             if outcome.kind == "ok":
@@ -281,7 +281,7 @@ def _record_stop_signals(signalled: list) -> None:
         signal.signal(sig, record)
 
 
-def _supervise(procs, board, policy, signalled, remote=None) -> Outcome:
+def supervise_attempt(procs, board, policy, signalled, remote=None) -> Outcome:
     """Watches one attempt's workers until it ends (see `run`).
 
     `remote`, when given, is called at every poll: a non-empty string
