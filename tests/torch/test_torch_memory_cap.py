@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import json
 
-import keras
 import numpy as np
 import pytest
 
-from tests.utils import ROOT, max_relative_difference, run_torch_script
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "torch":
+    pytest.skip("needs KERAS_BACKEND=torch", allow_module_level=True)
+
+from tests.utils import (  # noqa: E402
+    ROOT,
+    max_relative_difference,
+    run_torch_script,
+)
 
 WIDTH = 2048
 CAP_MIB = 250
