@@ -5,9 +5,12 @@ ports): a worker SIGKILLed mid-`fit` under ``--max-restarts 1`` ends with
 the weights of an uninterrupted run; a worker that raises at the same step
 every time stops the restarts after its second failure; a worker that
 sleeps inside a step ends the job within the hang timeout, with both
-workers' stacks and the sleeping rank named. The restart logic is the
-launcher's, the same on every backend; the jobs run on this lane's backend
-where it is JAX or torch (TensorFlow's lane is the longest).
+workers' stacks and the sleeping rank named; two launchers standing for
+two nodes under ``--nnodes 1:2``, one of them SIGKILLed, finish on the
+node left with the weights of plain Keras on one device. The restart
+logic is the launcher's, the same on every backend; the jobs run on this
+lane's backend where it is JAX or torch (TensorFlow's lane is the
+longest), the two-node job on torch's only.
 """
 
 from __future__ import annotations
