@@ -17,7 +17,7 @@
 #   KERAS_DIST_DOCS=0       leaves out the docs build
 #   KERAS_DIST_PYTEST_ARGS  adds pytest arguments to every run
 #
-# Takes about 75 minutes on 2 cores, the installs included.
+# Takes about 80 minutes on 2 cores, the installs included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KERAS_DIST_VENV:-.venv}"
