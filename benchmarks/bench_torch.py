@@ -283,6 +283,25 @@ def run_torch(steps):
     return _time_torch_loop(model, model.parameters(), 0, 1, steps)
 
 
+def _join_job(world):
+    """Starts ranks 1.. of a `world`-process job running this mode (rank 0
+    is this process), unless a launcher already did; returns the started
+    children ``{rank: Popen}``."""
+    from keras_dist._src.cluster import detect_environment, launcher
+
+    if detect_environment().is_distributed:
+        return {}
+    port = launcher.free_port()
+    children = launcher.start_workers(world, port)
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return children
+
+
 def run_ddp(steps):
     """Hand-written torch DDP over 2 gloo processes (NCCL, one per GPU,
     with ``BENCH_DEVICE=gpu``)."""
@@ -290,20 +309,10 @@ def run_ddp(steps):
     import torch.distributed as dist
     from torch import nn
 
-    from keras_dist._src.cluster import detect_environment, launcher
+    from keras_dist._src.cluster import launcher
 
     world = _gpus() if GPU else 2
-    if not detect_environment().is_distributed:
-        port = launcher.free_port()
-        children = launcher.start_workers(world, port)
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-    else:
-        children = {}
+    children = _join_job(world)
     rank = int(os.environ["RANK"])
     if GPU:
         torch.cuda.set_device(rank)
@@ -334,7 +343,7 @@ def run_keras_upstream(steps):
     import keras
     import torch
 
-    from keras_dist._src.cluster import detect_environment, launcher
+    from keras_dist._src.cluster import launcher
 
     if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 16):
         raise SystemExit(
@@ -342,17 +351,7 @@ def run_keras_upstream(steps):
             f"Keras {keras.__version__} (requirements/keras-next.txt)"
         )
     world = 2
-    if not detect_environment().is_distributed:
-        port = launcher.free_port()
-        children = launcher.start_workers(world, port)
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-    else:
-        children = {}
+    children = _join_job(world)
     rank = int(os.environ["RANK"])
     launcher.bind_to_cores(rank, 2)
     keras.distribution.initialize()
