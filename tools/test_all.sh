@@ -7,8 +7,8 @@
 #
 # The runs go in two lanes at once (most tests keep one core busy; on a
 # 2-core machine that cuts the wall time by about a third): TensorFlow,
-# torch's feature matrix, layout and memory-cap tests, then the newest Keras's
-# TensorFlow subset; beside JAX, the rest of torch, then the newest
+# torch's feature matrix, layout, memory-cap and checkpoint tests, then the
+# newest Keras's TensorFlow subset; beside JAX, the rest of torch, then the newest
 # Keras's JAX and torch subsets. A line is printed as each run starts and
 # ends; each lane's whole output is printed when the lane ends.
 #
@@ -26,6 +26,13 @@ DOCS_VENV="${KERAS_DIST_DOCS_VENV:-.venv-docs}"
 NEXT="${KERAS_DIST_NEXT_KERAS:-1}"
 DOCS="${KERAS_DIST_DOCS:-1}"
 start=$SECONDS
+# One compute thread per process: the lanes and the tests' own worker
+# processes already keep both cores busy, and on this machine's TensorFlow
+# tests one intra-op thread used 13 % less CPU time than the default pool
+# (measured on tests/test_features_tensorflow.py). Inter-op pools keep
+# their default (simulated replicas' collectives need them).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export TF_NUM_INTRAOP_THREADS="${TF_NUM_INTRAOP_THREADS:-1}"
 # Progress lines go to the terminal (fd 3) even from a lane whose output
 # goes to its log.
 exec 3>&2
@@ -96,7 +103,9 @@ NEXT_TESTS=(
 # in one process (not two workers, not ModelParallel, not torch's
 # per-rank SIGTERM), two workers of one device each, the sharded mesh
 # across workers, torch layouts on 2 processes (not the 2x2 mesh on 4),
-# CentralStorage against one device (not predict-first).
+# CentralStorage against one device (not predict-first), Mirrored on 1 and
+# 2 replicas (not 4). The TPU strategy's "no TPU here" errors come from
+# TensorFlow's and JAX's cluster lookups, not from Keras: pinned Keras only.
 NEXT_SKIP=(
   --deselect
   tests/test_checkpoint_process.py::test_two_workers_sigterm_then_restart_matches
@@ -130,6 +139,10 @@ NEXT_SKIP=(
   tests/test_parameter_server.py::test_launch_ps_job_replaces_a_worker_and_restarts_after_a_lost_ps
   --deselect
   tests/test_parameter_server.py::test_same_script_serves_on_worker_and_ps_tasks
+  --deselect "tests/test_parity.py::test_mirrored_matches_single_device[4]"
+  --deselect tests/test_tpu.py::test_without_a_tpu_the_strategy_says_so
+  --deselect
+  tests/test_tpu.py::test_tensorflow_silent_tpu_address_times_out_with_the_same_error
 )
 
 # run PYTHON LABEL BACKEND [PYTEST ARGS...] (default: every test).
@@ -155,13 +168,16 @@ run() {
 MATRIX=tests/test_feature_matrix.py
 LAYOUTS=tests/torch/test_torch_model_parallel.py
 CAPPED=tests/torch/test_torch_memory_cap.py
+# Torch's checkpoint tests run in lane A too: it balances the lanes.
+TORCH_CKPT=tests/torch/test_torch_checkpoint.py
 PINNED=("$VENV/bin/python" "keras-pinned")
 NEWEST=("$NEXT_VENV/bin/python" "keras-next")
 
 lane_a() {
   local s=0
   run "${PINNED[@]}" tensorflow || s=1
-  run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" "$CAPPED" || s=1
+  run "${PINNED[@]}" torch "$MATRIX" "$LAYOUTS" "$CAPPED" "$TORCH_CKPT" \
+    || s=1
   if [ "$NEXT" = "1" ]; then
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" tensorflow \
       "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
@@ -173,7 +189,7 @@ lane_b() {
   local s=0
   run "${PINNED[@]}" jax || s=1
   run "${PINNED[@]}" torch tests --ignore="$MATRIX" --ignore="$LAYOUTS" \
-    --ignore="$CAPPED" || s=1
+    --ignore="$CAPPED" --ignore="$TORCH_CKPT" || s=1
   if [ "$NEXT" = "1" ]; then
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" jax \
       "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
