@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import keras_dist
+from keras_dist._src import runtime as runtime_lib
+from keras_dist._src.cluster.environments import ClusterEnvironment
 from keras_dist._src.runtime import LocalRuntime, runtime_of
 
 BACKEND = keras.backend.backend()
@@ -42,6 +44,68 @@ def _check_one_process(runtime):
         runtime.all_reduce(1, op="prod")
     with pytest.raises(ValueError, match="root 1"):
         runtime.broadcast(1, root=1)
+
+
+JOB = ClusterEnvironment(
+    source="explicit",
+    rank=1,
+    world_size=2,
+    coordinator_host="127.0.0.1",
+    coordinator_port=1,
+)
+
+
+@pytest.mark.parametrize(
+    "topology, devices, given, detected, per_device, in_job, job, env",
+    [
+        # One device: alone, whatever the launcher says.
+        ("one_device", ["cpu:0"], None, JOB, True, True, False, None),
+        ("one_device", ["cpu:0"], JOB, JOB, False, False, False, None),
+        # One process drives several devices (JAX, TensorFlow).
+        ("mirrored", ["cpu:0", "cpu:1"], None, JOB, False, True, False, None),
+        ("multi_worker", ["cpu:0"], None, JOB, False, False, True, JOB),
+        ("multi_worker", ["cpu:0"], JOB, None, False, False, True, JOB),
+        ("multi_worker", ["cpu:0"], None, None, False, False, False, "local"),
+        # One process per device (torch): several devices are a job.
+        ("mirrored", ["cpu:0", "cpu:1"], None, JOB, True, False, True, None),
+        ("mirrored", ["cpu:0"], None, JOB, True, False, False, None),
+        ("mirrored", ["cpu:0"], None, JOB, True, True, True, None),
+        ("mirrored", ["cpu:0"], JOB, None, True, False, True, JOB),
+        ("multi_worker", ["cpu:0"], None, JOB, True, True, True, JOB),
+    ],
+)
+def test_membership_is_one_rule_for_every_backend(
+    monkeypatch,
+    topology,
+    devices,
+    given,
+    detected,
+    per_device,
+    in_job,
+    job,
+    env,
+):
+    """`runtime.membership`: alone or one process of a job, from the
+    strategy's topology, the given or detected environment and whether the
+    backend runs a process per device."""
+    detected = detected or ClusterEnvironment()
+    monkeypatch.setattr(runtime_lib, "detect_environment", lambda: detected)
+    member = runtime_lib.membership(
+        topology,
+        devices,
+        given,
+        process_per_device=per_device,
+        in_job=in_job,
+    )
+    assert member.job is job
+    if env == "local":
+        assert member.environment.source == "local"
+    else:
+        assert member.environment is env
+    with pytest.raises(ValueError):
+        runtime_lib.membership(
+            "two_hosts", devices, None, process_per_device=False
+        )
 
 
 def test_local_runtime():

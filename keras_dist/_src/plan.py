@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import enum
 import json
 import math
 import re
@@ -24,10 +25,20 @@ from collections.abc import Sequence
 
 from keras_dist._src.errors import LayoutError
 
-#: How a strategy finds its processes (read by each backend's
-#: `create_runtime`): one process on one device, one host (torch starts a
-#: process per device), or a job of workers found from the launcher.
-TOPOLOGIES = ("one_device", "mirrored", "multi_worker")
+
+class Topology(str, enum.Enum):
+    """How a strategy finds its processes: one process on one device, the
+    devices of this host, or a job of workers found from the launcher.
+    `runtime.membership` turns it into "alone" or "one process of a job"
+    by one rule for every backend."""
+
+    ONE_DEVICE = "one_device"
+    MIRRORED = "mirrored"
+    MULTI_WORKER = "multi_worker"
+
+
+#: The topologies' names (`Topology` values).
+TOPOLOGIES = tuple(t.value for t in Topology)
 
 
 class DeviceMesh:

@@ -13,12 +13,18 @@ step stay in each backend's data-parallel code.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from keras import tree
 
-from keras_dist._src.cluster.environments import ClusterEnvironment
+from keras_dist._src.cluster.environments import (
+    ClusterEnvironment,
+    detect_environment,
+)
+from keras_dist._src.plan import Topology
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -216,6 +222,58 @@ class HostRuntime:
 
 class LocalRuntime(HostRuntime):
     """The runtime of a one-process job: every collective is the identity."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """Whether this process trains alone or as one process of a job.
+
+    Attributes:
+        job: this process joins (or starts) a job of processes; False: it
+            trains alone (a `LocalRuntime`).
+        environment: where this process stands (None: nothing given or
+            detected; a process-per-device backend then starts the other
+            ranks itself).
+    """
+
+    job: bool
+    environment: ClusterEnvironment | None = None
+
+
+def membership(
+    topology,
+    devices: Sequence[str],
+    environment: ClusterEnvironment | None,
+    *,
+    process_per_device: bool,
+    in_job: bool = False,
+) -> Membership:
+    """The one rule, for every backend, that turns a strategy's topology
+    into "alone" or "one process of a job".
+
+    - One device: alone.
+    - A backend with a process per device (torch): one device outside a
+      launched job (`in_job`) and with no environment given is alone;
+      anything else is a job (several devices on one host: the backend
+      starts a process per device).
+    - A backend whose one process drives several devices (JAX, TensorFlow):
+      a multi-worker strategy joins the job its launcher describes (the
+      given or detected environment); on one worker, and for every other
+      topology, the process is alone.
+    """
+    topology = Topology(topology)
+    if topology is Topology.ONE_DEVICE:
+        return Membership(job=False)
+    if process_per_device:
+        if environment is None and len(devices) == 1 and not in_job:
+            return Membership(job=False)
+        if topology is Topology.MULTI_WORKER and environment is None:
+            environment = detect_environment()
+        return Membership(job=True, environment=environment)
+    if topology is not Topology.MULTI_WORKER:
+        return Membership(job=False)
+    environment = environment or detect_environment()
+    return Membership(environment.is_distributed, environment)
 
 
 def _copy(value):

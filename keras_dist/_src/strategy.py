@@ -20,7 +20,7 @@ from keras_dist._src.errors import (
 )
 from keras_dist._src.keras_glue import hook
 from keras_dist._src.options import InputOptions
-from keras_dist._src.plan import Plan, ReplicatedPlan
+from keras_dist._src.plan import Plan, ReplicatedPlan, Topology
 from keras_dist._src.runtime import Runtime
 from keras_dist._src.values import ReduceOp
 
@@ -51,9 +51,9 @@ class Strategy:
             workers); defaults to ``InputOptions()`` (``ShardPolicy.AUTO``).
     """
 
-    #: How the strategy finds its processes (`plan.TOPOLOGIES`):
-    #: "one_device", "mirrored" (one host) or "multi_worker".
-    topology = "mirrored"
+    #: How the strategy finds its processes (a `plan.Topology`; what it
+    #: means on each backend: `runtime.membership`).
+    topology = Topology.MIRRORED
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keras_dist._src import backends as backend_lib
-from keras_dist._src.plan import CentralStoragePlan
+from keras_dist._src.plan import CentralStoragePlan, Topology
 from keras_dist._src.strategy import Strategy
 
 
@@ -34,7 +34,7 @@ class CentralStorageStrategy(Strategy):
         UnsupportedBackendError: on torch, or with several workers.
     """
 
-    topology = "mirrored"
+    topology = Topology.MIRRORED
 
     def __init__(self, devices: Sequence[str] | None = None):
         # Before the runtime: on torch it would start a process per

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from keras_dist._src import backends as backend_lib
 from keras_dist._src.options import InputOptions
+from keras_dist._src.plan import Topology
 from keras_dist._src.strategy import Strategy
 
 
@@ -39,7 +40,7 @@ class MirroredStrategy(Strategy):
             workers (matters where there are several processes).
     """
 
-    topology = "mirrored"
+    topology = Topology.MIRRORED
 
     def __init__(
         self,

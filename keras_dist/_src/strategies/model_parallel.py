@@ -10,7 +10,13 @@ from keras_dist._src.cluster.environments import (
 )
 from keras_dist._src.errors import LayoutError
 from keras_dist._src.options import InputOptions
-from keras_dist._src.plan import DeviceMesh, LayoutMap, LayoutPlan, ShardedPlan
+from keras_dist._src.plan import (
+    DeviceMesh,
+    LayoutMap,
+    LayoutPlan,
+    ShardedPlan,
+    Topology,
+)
 from keras_dist._src.strategy import Strategy
 
 
@@ -40,10 +46,10 @@ class _MeshStrategy(Strategy):
         if environment.is_distributed:
             # A job of workers: the mesh spans the devices of all of them,
             # listed once this process has joined.
-            self.topology = "multi_worker"
+            self.topology = Topology.MULTI_WORKER
             devices = None
         else:
-            self.topology = "mirrored"
+            self.topology = Topology.MIRRORED
             if mesh is None:
                 devices = list(backend_lib.get().default_devices())
                 mesh = DeviceMesh((len(devices),), (batch_axis,), devices)

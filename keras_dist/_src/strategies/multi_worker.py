@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from keras_dist._src.cluster.environments import environment_from
 from keras_dist._src.options import InputOptions
+from keras_dist._src.plan import Topology
 from keras_dist._src.strategy import Strategy
 
 
@@ -33,7 +34,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             contradict each other.
     """
 
-    topology = "multi_worker"
+    topology = Topology.MULTI_WORKER
 
     def __init__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from keras_dist._src import backends as backend_lib
+from keras_dist._src.plan import Topology
 from keras_dist._src.strategy import Strategy
 
 
@@ -14,7 +15,7 @@ class OneDeviceStrategy(Strategy):
             accelerator, or ``"cpu:0"``.
     """
 
-    topology = "one_device"
+    topology = Topology.ONE_DEVICE
 
     def __init__(self, device: str | None = None):
         if device is None:

@@ -10,7 +10,7 @@ from keras_dist._src.cluster.environments import (
     read_task_spec,
 )
 from keras_dist._src.cluster.parameter_server import serve
-from keras_dist._src.plan import ParameterServerPlan
+from keras_dist._src.plan import ParameterServerPlan, Topology
 from keras_dist._src.strategy import Strategy
 
 
@@ -48,7 +48,8 @@ class ParameterServerStrategy(Strategy):
         UnsupportedBackendError: on the JAX and torch backends.
     """
 
-    topology = "mirrored"  # the chief is one process; its runtime is local
+    # The chief is one process: its runtime is local.
+    topology = Topology.MIRRORED
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None):
         # The backend's clear error, before any runtime starts.

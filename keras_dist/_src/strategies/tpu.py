@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from keras_dist._src import backends as backend_lib
 from keras_dist._src.errors import LayoutError
-from keras_dist._src.plan import LayoutMap, TPUPlan
+from keras_dist._src.plan import LayoutMap, Topology, TPUPlan
 from keras_dist._src.strategy import Strategy
 
 
@@ -60,7 +60,9 @@ class TPUStrategy(Strategy):
         )
         connect = backend_lib.capabilities().connect_tpu
         environment, devices = connect(tpu)
-        self.topology = "mirrored" if environment is None else "multi_worker"
+        self.topology = (
+            Topology.MIRRORED if environment is None else Topology.MULTI_WORKER
+        )
         super().__init__(devices, sync_batch_norm=True, environment=environment)
 
     def _make_plan(self, devices):

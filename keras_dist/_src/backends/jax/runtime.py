@@ -21,12 +21,11 @@ import numpy as np
 from keras_dist._src.cluster import binding, supervision
 from keras_dist._src.cluster.environments import (
     ClusterEnvironment,
-    detect_environment,
 )
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.errors import KerasDistError
 from keras_dist._src.framework_glue import jax_private
-from keras_dist._src.runtime import HostRuntime, LocalRuntime
+from keras_dist._src.runtime import HostRuntime, LocalRuntime, membership
 
 
 class JaxRuntime(HostRuntime):
@@ -229,13 +228,13 @@ def _gloo_on(host: str) -> None:
 
 
 def create_runtime(kind, devices, environment=None):
-    """The runtime of a `kind` strategy: multi-worker joins the job."""
-    del devices
+    """The runtime of a `kind` strategy (`plan.Topology`): this process
+    joins the job where `runtime.membership` says so."""
     supervision.watch_launcher()
-    if kind != "multi_worker":
-        return LocalRuntime()
-    environment = environment or detect_environment()
-    if not environment.is_distributed:
-        return LocalRuntime(environment)
-    _initialize(environment)
-    return JaxRuntime(environment)
+    member = membership(
+        kind, devices or (), environment, process_per_device=False
+    )
+    if not member.job:
+        return LocalRuntime(member.environment)
+    _initialize(member.environment)
+    return JaxRuntime(member.environment)

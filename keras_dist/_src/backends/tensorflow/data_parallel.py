@@ -37,7 +37,7 @@ def create_engine(plan, runtime, input_options):
     """
     devices = [normalize_device(d) for d in plan.devices]
     sync_batch_norm = plan.sync_batch_norm
-    if plan.topology == "multi_worker" and runtime.world_size > 1:
+    if runtime.world_size > 1:  # a job of workers (`runtime.membership`)
         return MultiWorkerEngine(
             devices, sync_batch_norm, runtime, input_options or InputOptions()
         )

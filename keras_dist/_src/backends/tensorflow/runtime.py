@@ -17,11 +17,10 @@ import itertools
 import numpy as np
 
 from keras_dist._src.cluster import supervision
-from keras_dist._src.cluster.environments import detect_environment
 from keras_dist._src.cluster.supervision import liveness_timeout
 from keras_dist._src.errors import KerasDistError
 from keras_dist._src.framework_glue import tensorflow_private
-from keras_dist._src.runtime import HostRuntime, LocalRuntime
+from keras_dist._src.runtime import HostRuntime, LocalRuntime, membership
 
 
 def _context():
@@ -172,11 +171,10 @@ class TfRuntime(_StoreRuntime):
 def create_runtime(kind, devices, environment=None):
     """The runtime of a `kind` strategy (the multi-worker engine creates the
     tf.distribute strategy that starts the coordination service)."""
-    del devices
     supervision.watch_launcher()
-    if kind != "multi_worker":
-        return LocalRuntime()
-    environment = environment or detect_environment()
-    if not environment.is_distributed:
-        return LocalRuntime(environment)
-    return TfRuntime(environment)
+    member = membership(
+        kind, devices or (), environment, process_per_device=False
+    )
+    if not member.job:
+        return LocalRuntime(member.environment)
+    return TfRuntime(member.environment)

@@ -18,7 +18,7 @@ from keras_dist._src.backends.torch.job import (
     start_job,
 )
 from keras_dist._src.cluster.environments import detect_environment
-from keras_dist._src.runtime import HostRuntime, LocalRuntime
+from keras_dist._src.runtime import HostRuntime, LocalRuntime, membership
 
 
 class TorchRuntime(HostRuntime):
@@ -100,9 +100,9 @@ def joins_job() -> bool:
 def create_runtime(kind, devices, environment=None):
     """The runtime of a `kind` strategy over `devices`.
 
-    One process (`LocalRuntime`) for a one-device strategy, and for a
-    one-device mirrored strategy outside a launched job; otherwise this
-    process joins (or starts) the job and gets a `TorchRuntime`.
+    One process per device: `runtime.membership` decides whether this
+    process trains alone (`LocalRuntime`) or joins (or starts) the job and
+    gets a `TorchRuntime`.
     """
     if devices is None:
         from keras_dist._src.backends.torch.devices import default_devices
@@ -120,10 +120,13 @@ def create_runtime(kind, devices, environment=None):
             f"The torch backend runs one process per device, all of one "
             f"type (all 'gpu' or all 'cpu'); got {list(devices)}.{tpu}"
         )
-    if kind == "one_device":
+    member = membership(
+        kind,
+        devices,
+        environment,
+        process_per_device=True,
+        in_job=joins_job(),
+    )
+    if not member.job:
         return LocalRuntime()
-    if environment is None and len(devices) == 1 and not joins_job():
-        return LocalRuntime()
-    if kind == "multi_worker" and environment is None:
-        environment = detect_environment()
-    return TorchRuntime(start_job(devices, environment))
+    return TorchRuntime(start_job(devices, member.environment))
