@@ -120,15 +120,20 @@ class SPMDEngine(EngineDefaults):
         return int(self.mesh.shape[self.batch_axis])
 
     # -- scopes ---------------------------------------------------------------
-    @contextlib.contextmanager
     def scope(self):
         """Variables created here get the policy's layout from Keras (and,
         over several processes, the chief's initial values)."""
+        return self.distribution_scope(self.distribution)
+
+    @contextlib.contextmanager
+    def distribution_scope(self, distribution):
+        """`scope` with `distribution` (a Keras distribution over this
+        engine's mesh) active."""
         restore = None
         if self.multi_process:
             restore = glue.replace_jax_distribute_tensor(_from_chief_tensor)
         try:
-            with self.distribution.scope():
+            with distribution.scope():
                 yield
         finally:
             if restore is not None:

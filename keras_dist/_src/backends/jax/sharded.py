@@ -44,19 +44,19 @@ class _PlanDistribution(keras_distribution.ModelParallel):
     and checks each layout before Keras places the variable (Keras exports
     no `Distribution` base; its `ModelParallel` is the nearest)."""
 
-    def __init__(self, device_mesh, plan):
+    def __init__(self, device_mesh, plan, replicate_data=False):
         super().__init__(
             layout_map=keras_distribution.LayoutMap(device_mesh),
             batch_dim_name=plan.batch_axis,
             auto_shard_dataset=False,
         )
         self._plan = plan
-        #: Set while Keras's symbolic build runs in the scope: its sample
-        #: batch (of any size) is replicated, not split.
-        self.replicate_data = False
+        #: The distribution of Keras's symbolic build: its sample batch (of
+        #: any size) is replicated, not split.
+        self._replicate_data = bool(replicate_data)
 
     def get_data_layout(self, data_shape):
-        if self.replicate_data:
+        if self._replicate_data:
             return keras_distribution.TensorLayout(
                 [None] * len(data_shape), self.device_mesh
             )
@@ -140,6 +140,9 @@ class LayoutPolicy:
             devices=list(names),
         )
         self.distribution = _PlanDistribution(device_mesh, plan)
+        self.build_distribution = _PlanDistribution(
+            device_mesh, plan, replicate_data=True
+        )
         self._checked = set()
 
     def check_variables(self, model) -> None:
@@ -194,6 +197,7 @@ class ShardedEngine(SPMDEngine):
     def __init__(self, plan, runtime, input_options=None):
         policy = LayoutPolicy(plan, runtime)
         super().__init__(policy, policy.plan, runtime, input_options)
+        self._build_distribution = policy.build_distribution
 
     def attach(self, model) -> None:
         """Also: a model that its first `fit` or `evaluate` builds (one
@@ -268,12 +272,8 @@ class ShardedEngine(SPMDEngine):
         """The strategy's scope for Keras's symbolic build: variables get
         their layouts; the sample batch is replicated (a batch the batch
         axis does not divide would not split)."""
-        self.distribution.replicate_data = True
-        try:
-            with self.scope():
-                yield
-        finally:
-            self.distribution.replicate_data = False
+        with self.distribution_scope(self._build_distribution):
+            yield
 
     def check_built(self, model) -> None:
         """Lays out, with the plan's layout, every weight of `model` created
