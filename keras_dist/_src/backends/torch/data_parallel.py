@@ -67,7 +67,6 @@ from keras_dist._src.backends.torch.exact_losses import (
     global_loss_denominators,
     global_mask_counts,
 )
-from keras_dist._src.backends.torch.inputs import LocalBatchTracker
 from keras_dist._src.backends.torch.metrics_sync import (
     MetricSync,
     is_fit_validation_call,
@@ -227,14 +226,20 @@ class StepFunctions(ModelSteps, UserSteps):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         engine = self.engine
         return shard_context(
-            x, engine.local_batches.take(), engine.rank, engine.world_size
+            x,
+            engine.call_state.local_batches.take(),
+            engine.rank,
+            engine.world_size,
         )
 
     def _shard(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         engine = self.engine
         context = shard_context(
-            x, engine.local_batches.take(), engine.rank, engine.world_size
+            x,
+            engine.call_state.local_batches.take(),
+            engine.rank,
+            engine.world_size,
         )
         if context.offset is not None:
             start = context.offset
@@ -417,14 +422,6 @@ class MirroredEngine(TorchEngine):
     def __init__(self, devices, sync_batch_norm, runtime, input_options=None):
         super().__init__(devices, runtime, input_options)
         self.sync_batch_norm = bool(sync_batch_norm)
-        # Set by the input of FILE/OFF policies: the next batch is local.
-        self.local_batches = LocalBatchTracker()
-        # Whether the validation of the `fit` in progress reads batch logs.
-        self._validation_reads = True
-
-    def begin_call(self) -> None:
-        """No local batch is pending at the start of a call."""
-        self.local_batches.clear()
 
     def prepare_call(self, name, method, args, kwargs):
         """Decides the metric deferral and applies the shard policy."""
@@ -434,15 +431,16 @@ class MirroredEngine(TorchEngine):
         # gated: every rank must make the same collectives. `fit`'s
         # validation gets `fit`'s callbacks, gated on the other ranks:
         # its decision is made by `fit`, on the caller's.
+        state = self.call_state
         if name == "fit":
-            self._validation_reads = validation_reads_batch_logs(
+            state.validation_reads = validation_reads_batch_logs(
                 method, args, kwargs
             )
         if name == "evaluate" and is_fit_validation_call(method, args, kwargs):
-            reads = self._validation_reads
+            reads = self.caller_state.validation_reads
         else:
             reads = reads_batch_logs(name, method, args, kwargs)
-        self.set_defer_metric_sync(not reads)
+        state.defer_metrics = not reads
         return inputs.prepare_arguments(self, name, method, args, kwargs)
 
     def attach(self, model) -> None:

@@ -7,9 +7,9 @@ process group, the chief's random generators at the start of every call
 (`sync_rng_state`), the chief's values for new state
 (`broadcast_from_chief`; in `scope`, for each variable as it is made),
 naming another rank's failure instead of this rank's consequent error,
-whether the call in progress reads metric values every step
-(`defer_metric_sync`), and the collectives of custom loops
-(`run`/`reduce`/`gather`/`distribute_dataset`).
+what each call in progress knows for its steps (a `CallState`: whether it
+reads metric values every step, its inputs' local batches), and the
+collectives of custom loops (`run`/`reduce`/`gather`/`distribute_dataset`).
 
 A plan's *policy* is a subclass that installs its step functions on a
 model (`attach`, with `steps.ModelSteps`) and, where it needs to, rewrites
@@ -39,6 +39,7 @@ from keras_dist._src.backends.torch.job import (
     RankFailedError,
     collective_timeout,
 )
+from keras_dist._src.backends.torch.step_context import CallState
 from keras_dist._src.cluster import supervision
 from keras_dist._src.core.rng import replicate_chief_generators
 from keras_dist._src.keras_glue import torch_variables
@@ -138,9 +139,9 @@ class TorchEngine(EngineDefaults):
         )
         # Variables made in this engine's scope take the chief's values.
         torch_variables.replace_torch_variable_initialize(_chief_initial_value)
-        # Per call in progress (innermost last): whether nothing reads the
-        # per-step metric values, so their all-reduce can wait until read.
-        self._defer_metrics = []
+        # One state per call in progress, innermost last; the first serves
+        # custom loops, outside any call.
+        self._calls = [CallState()]
 
     @property
     def rank(self) -> int:
@@ -171,34 +172,36 @@ class TorchEngine(EngineDefaults):
         over when a model is attached."""
         return contextlib.nullcontext()
 
-    def begin_call(self) -> None:
-        """A policy's work at the start of every call (nothing here)."""
-
     @contextlib.contextmanager
     def call_scope(self):
-        """The chief's random generators (same shuffling on every rank);
-        another rank's failure is named."""
-        self._defer_metrics.append(False)
+        """A fresh `CallState` for the call; the chief's random generators
+        (same shuffling on every rank); another rank's failure is named."""
+        self._calls.append(CallState())
         try:
-            self.begin_call()
             sync_rng_state(self.runtime)
             yield
         except BaseException as error:
             self._check_other_ranks(error)
             raise
         finally:
-            self._defer_metrics.pop()
+            self._calls.pop()
+
+    @property
+    def call_state(self) -> CallState:
+        """The state of the innermost call in progress (outside any call:
+        the custom loops' state)."""
+        return self._calls[-1]
+
+    @property
+    def caller_state(self) -> CallState:
+        """The state of the call that made the call in progress (`fit`, for
+        its validation's `evaluate`), or the custom loops' state."""
+        return self._calls[-2] if len(self._calls) > 2 else self._calls[0]
 
     @property
     def defer_metric_sync(self) -> bool:
         """Whether the call in progress reads metric values only at its end."""
-        return bool(self._defer_metrics) and self._defer_metrics[-1]
-
-    def set_defer_metric_sync(self, defer: bool) -> None:
-        """Sets `defer_metric_sync` for the call in progress (decided from
-        the caller's arguments, so alike on every rank)."""
-        if self._defer_metrics:
-            self._defer_metrics[-1] = bool(defer)
+        return self.call_state.defer_metrics
 
     def prepare_call(self, name, method, args, kwargs):
         """Every rank reads the whole input (global batches)."""

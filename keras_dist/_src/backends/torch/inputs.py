@@ -30,8 +30,6 @@ weights the local mean loss with ``n_local * world / n_global``.
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -43,31 +41,6 @@ from keras_dist._src.core.lockstep import LockstepAdapter
 
 
 # -- agreement on the step count ----------------------------------------------
-class LocalBatchTracker:
-    """Tells each step whether its batch is local, and its `n_global`.
-
-    The input offers one count per batch it yields, in order; each step
-    takes the oldest. With `steps_per_execution` > 1, Keras reads a group
-    of batches before it runs their steps, so the counts queue up.
-    """
-
-    def __init__(self):
-        self._counts = collections.deque()
-
-    def clear(self) -> None:
-        """Forgets counts no step took (a new call or a new epoch)."""
-        self._counts.clear()
-
-    def offer(self, n_global: int) -> None:
-        """Marks the next batch as local, with `n_global` samples in all."""
-        self._counts.append(int(n_global))
-
-    def take(self):
-        """Returns `n_global` of the oldest local batch not yet stepped on,
-        or None (a global batch: the DATA policy)."""
-        return self._counts.popleft() if self._counts else None
-
-
 def _empty_like(batch):
     return tree.map_structure(
         lambda t: None if t is None else t[:0], batch, none_is_leaf=True
@@ -123,7 +96,7 @@ class AgreedAdapter(LockstepAdapter):
     def agreed_batches(self):
         """Yields this rank's batches (or empty ones) in lockstep."""
         engine = self.engine
-        tracker = engine.local_batches
+        tracker = engine.call_state.local_batches
         tracker.clear()
         iterator = iter(self.inner.get_torch_dataloader())
         exhausted = False

@@ -14,12 +14,62 @@ dropout mask on). Nothing of a step is left on the engine.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
 from keras import tree
 
 from keras_dist._src.core.shards import shard_bounds
+
+
+class LocalBatchTracker:
+    """Tells each step whether its batch is local, and its `n_global`.
+
+    The input offers one count per batch it yields, in order; each step
+    takes the oldest. With `steps_per_execution` > 1, Keras reads a group
+    of batches before it runs their steps, so the counts queue up.
+    """
+
+    def __init__(self):
+        self._counts = collections.deque()
+
+    def clear(self) -> None:
+        """Forgets counts no step took (a new call or a new epoch)."""
+        self._counts.clear()
+
+    def offer(self, n_global: int) -> None:
+        """Marks the next batch as local, with `n_global` samples in all."""
+        self._counts.append(int(n_global))
+
+    def take(self):
+        """Returns `n_global` of the oldest local batch not yet stepped on,
+        or None (a global batch: the DATA policy)."""
+        return self._counts.popleft() if self._counts else None
+
+
+@dataclasses.dataclass
+class CallState:
+    """What one `fit`, `evaluate` or `predict` call in progress knows for
+    the steps it runs: made as the call begins (`TorchEngine.call_scope`)
+    and dropped as it ends, so that a call inside another (`fit`'s
+    validation) has its own; the engine's outermost state serves custom
+    loops, outside any call.
+
+    Attributes:
+        defer_metrics: nothing reads the per-step metric values, so their
+            all-reduce waits until they are read (decided from the
+            caller's arguments, alike on every rank).
+        validation_reads: (`fit`) whether its validation reads batch logs.
+        local_batches: the `n_global` of each local batch (FILE and OFF
+            policies) the input yielded and no step has taken yet.
+    """
+
+    defer_metrics: bool = False
+    validation_reads: bool = True
+    local_batches: LocalBatchTracker = dataclasses.field(
+        default_factory=LocalBatchTracker
+    )
 
 
 @dataclasses.dataclass(slots=True)
