@@ -35,6 +35,10 @@ data (a quarter of the training set's size) and a
 end; the table then gives milliseconds per epoch (the whole ``fit`` call's
 wall time over its epochs).
 
+``--steps-per-execution N`` compiles every configuration with Keras's
+``steps_per_execution=N`` (use it with ``--whole``: Keras calls per-batch
+callbacks once a group of steps).
+
 ``--backend all`` runs this script once per backend (jax, tensorflow) in a
 subprocess with a clean environment and prints all results together.
 
@@ -144,6 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="time whole fit calls (iterator, validation, a checkpoint "
         "every epoch) in ms per epoch, not steady-state steps",
     )
+    parser.add_argument(
+        "--steps-per-execution",
+        type=int,
+        default=1,
+        help="Keras's steps_per_execution for every configuration (with "
+        "--whole: per-batch callbacks see groups, not steps)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results here")
     args = parser.parse_args(argv)
     if args.samples is None:
@@ -196,6 +207,7 @@ def build_model(keras, args):
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        steps_per_execution=args.steps_per_execution,
     )
     return model
 
@@ -454,6 +466,7 @@ def run_backend(args) -> dict:
         "batch_norm": False,
         "samples": args.samples,
         "batch_size": args.batch_size,
+        "steps_per_execution": args.steps_per_execution,
         "epochs_per_repeat": args.epochs,
         "repeats": args.repeats,
         "skip": args.skip,
@@ -493,6 +506,7 @@ def _child_argv(args, backend: str, json_path: str) -> list:
         "epochs",
         "repeats",
         "skip",
+        "steps_per_execution",
     ):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.diagnose:

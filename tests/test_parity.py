@@ -196,8 +196,11 @@ def test_steps_per_execution_splits_every_batch_over_the_replicas():
     replicas and the partial group at an epoch's end is exact. (Keras 3.16
     reads a group of batches stacked on a new leading axis: splitting that
     axis ran each step whole on one device, equal to one device yet not
-    data parallel, and a partial group crashed.)"""
+    data parallel, and a partial group crashed. A full group now runs as
+    one scan over its steps, each step's batch still split 4 ways.)"""
     from keras import tree
+
+    from keras_dist._src.keras_glue import internals as glue
 
     x, y, sw = make_data()  # 6 steps an epoch: a group of 4, then 2
 
@@ -231,25 +234,36 @@ def test_steps_per_execution_splits_every_batch_over_the_replicas():
 
     strategy = keras_dist.MirroredStrategy()
     engine = strategy.extended
+    # (samples of each training step's batch, samples a device holds)
     placed = []
-    original = engine.place_batch
+    groups = []
+    place_batch, place_group = engine.place_batch, engine.place_group
 
-    def place_batch(batch):
-        result = original(batch)
-        placed.append(tree.flatten(result)[0])
+    def spy_batch(batch):
+        result = place_batch(batch)
+        a = tree.flatten(result)[0]
+        if a.ndim == 4:  # images: the training input
+            placed.append((a.shape[0], a.sharding.shard_shape(a.shape)[0]))
         return result
 
-    engine.place_batch = place_batch
+    def spy_group(group):  # Keras 3.16's stacked groups, run as one scan
+        result = place_group(group)
+        a = tree.flatten(result)[0]
+        steps, per_device = a.sharding.shard_shape(a.shape)[:2]
+        assert steps == a.shape[0]  # every device runs every step
+        groups.append(a.shape[0])
+        placed.extend([(a.shape[1], per_device)] * a.shape[0])
+        return result
+
+    engine.place_batch, engine.place_group = spy_batch, spy_group
     got = run(strategy)
     ref = run(None)
-    train_inputs = [a for a in placed if a.ndim == 4][:12]
-    assert [a.shape[0] for a in train_inputs] == [16] * 5 + [10] + [16] * 5 + [
-        10
-    ]
-    for a in train_inputs:
-        if a.shape[0] == 16:  # 10 does not divide by 4: replicated
-            assert not a.sharding.is_fully_replicated
-            assert len(a.sharding.device_set) == 4
+    # Each step's batch of 16 split 4 ways; the last (10, which 4 does not
+    # divide) replicated.
+    epoch = [(16, 4)] * 5 + [(10, 10)]
+    assert placed[:12] == epoch * 2
+    if glue.keras_stacks_jax_steps():
+        assert groups[:2] == [4, 4]  # the full group of each epoch
     assert max_relative_difference(ref[0], got[0]) <= TOLERANCE
     np.testing.assert_allclose(got[1]["loss"], ref[1]["loss"], rtol=1e-5)
     np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-6)

@@ -240,6 +240,20 @@ class SPMDEngine(EngineDefaults):
 
         return tree.map_structure(place, batch, none_is_leaf=True)
 
+    def place_group(self, group):
+        """Places a stacked group of batches (steps on the leading axis):
+        each batch split along the batch axis, which must divide it."""
+        if self._watchdog is not None:
+            self._watchdog.progress()
+        sharding = NamedSharding(
+            self.mesh, PartitionSpec(None, self.batch_axis)
+        )
+        return tree.map_structure(
+            lambda x: None if x is None else self.put(x, sharding),
+            group,
+            none_is_leaf=True,
+        )
+
     def relocate(self, x, sharding):
         """`x` as an array of `sharding` (as it is if it already is one);
         over several processes, with the chief's value."""

@@ -4,9 +4,12 @@
 `StepFunctions` replaces a model's `make_train_function`,
 `make_test_function` and `make_predict_function`: each jits Keras's
 stateless step with the state's shardings (the engine's) and feeds it
-batches placed by the engine, one batch a step (Keras 3.16's stacked
-groups of `steps_per_execution` batches are taken apart first, so that
-each step splits its own batch over the replicas). With
+batches placed by the engine, one batch a step. Keras 3.16 and later
+read groups of `steps_per_execution` batches stacked on a new leading
+axis: in one process, a training group whose batches the batch axis
+divides runs as one `jax.lax.scan` over its steps, each step's batch
+split over the replicas (one dispatch a group, as Keras's own trainer);
+any other group is taken apart and stepped one batch at a time. With
 `sync_batch_norm=False` the train step runs per replica under
 `shard_map` (each device's BatchNormalization sees its own shard;
 gradients averaged with `pmean`). On CPU devices the number of steps in
@@ -51,13 +54,20 @@ class StepFunctions:
             return step
         return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
-    def _wrap(self, step, shardings, concatenate_outputs=False):
+    def _wrap(self, step, shardings, concatenate_outputs=False, scan=None):
         engine = self.engine
         # With steps_per_execution > 1, predict's outputs of the steps of one
         # call must be concatenated (Keras's own predict function does so).
-        iterator_step = _iterator_step(
+        placed_step = _iterator_step(
             self.model, step, concatenate_outputs=concatenate_outputs
         )
+        if scan is None:
+
+            def iterator_step(state, iterator):
+                return placed_step(state, self._placed(iterator))
+
+        else:
+            iterator_step = self._group_step(placed_step, scan)
         last_state = [None]
 
         def function(state, iterator):
@@ -68,7 +78,7 @@ class StepFunctions:
                 engine.wait_for_last_step(keep=bound - 1)
             if state is not last_state[0]:
                 state = engine.place_state(state, shardings)
-            outputs, state = iterator_step(state, self._placed(iterator))
+            outputs, state = iterator_step(state, iterator)
             if bound is not None:
                 # One output of the step's executable is ready when all
                 # are: waiting on one leaf costs less than on every leaf.
@@ -84,21 +94,56 @@ class StepFunctions:
 
         return function
 
-    def _placed(self, iterator):
-        """Places each batch; checks it matches the first batch's shapes."""
+    def _placed(self, iterator, groups=None):
+        """Places each batch of `iterator` (or of `groups`, read from it);
+        checks it matches the first batch's shapes."""
         if iterator is not self._iterator:  # a new epoch or a new input
             self._iterator = iterator
             self._first_batch = None
-        for batch in _one_batch_at_a_time(self.model, iterator):
-            if self._first_batch is None:
-                self._first_batch = batch
-                self._batch_index = 1
-            else:
-                self._batch_index += 1
-                check_batch_consistency(
-                    self._first_batch, batch, self._batch_index
-                )
+        source = iterator if groups is None else groups
+        for batch in _one_batch_at_a_time(self.model, source):
+            self._check(batch)
             yield self.engine.place_batch(batch)
+
+    def _check(self, batch):
+        if self._first_batch is None:
+            self._first_batch = batch
+            self._batch_index = 1
+        else:
+            self._batch_index += 1
+            check_batch_consistency(self._first_batch, batch, self._batch_index)
+
+    def _group_step(self, placed_step, scan):
+        """`(state, iterator) -> (logs, state)` for Keras's stacked groups:
+        a full group whose batches the batch axis divides goes to `scan` in
+        one dispatch; any other group is stepped a batch at a time."""
+        engine = self.engine
+        n = engine.num_replicas_in_sync
+
+        def divides(x):
+            return x is None or (np.ndim(x) >= 2 and np.shape(x)[1] % n == 0)
+
+        def group_step(state, iterator):
+            if iterator is not self._iterator:
+                self._iterator = iterator
+                self._first_batch = None
+            group = next(iterator)
+            if not glue.is_partial_step_group(group) and all(
+                divides(x) for x in tree.flatten(group)
+            ):
+                leaves = [x for x in tree.flatten(group) if x is not None]
+                for i in range(np.shape(leaves[0])[0] if leaves else 0):
+                    self._check(
+                        tree.map_structure(
+                            lambda x, i=i: None if x is None else x[i],
+                            group,
+                            none_is_leaf=True,
+                        )
+                    )
+                return scan(state, engine.place_group(group))
+            return placed_step(state, self._placed(iterator, [group]))
+
+        return group_step
 
     def make_train_function(self, force=False):
         """Jits the model's `train_step` with the state's shardings."""
@@ -108,12 +153,30 @@ class StepFunctions:
         self.engine.check_built(model)
         state = self.engine.state_shardings(model)
         replicated = self.engine.replicated
+        scan = None
         if self.engine.sync_batch_norm:
             step = self._compile(model.train_step, (replicated, state))
+            if self._scans_groups():
+                scan = self._compile(
+                    _scanned(model.train_step), (replicated, state)
+                )
         else:
             step = self._per_replica_train_step()
-        model.train_function = self._wrap(step, state)
+        model.train_function = self._wrap(step, state, scan=scan)
         return model.train_function
+
+    def _scans_groups(self) -> bool:
+        """Whether training groups of steps run as one scan: Keras stacks
+        them (3.16+), the steps are jitted, and one process places them
+        (several processes place each batch from their own parts)."""
+        model = self.model
+        return (
+            model.steps_per_execution > 1
+            and glue.keras_stacks_jax_steps()
+            and model.jit_compile
+            and not model.run_eagerly
+            and not self.engine.multi_process
+        )
 
     def _per_replica_train_step(self):
         """Each device trains on its shard (so BatchNormalization sees only
@@ -236,6 +299,21 @@ def _one_batch_at_a_time(model, iterator):
                 group,
                 none_is_leaf=True,
             )
+
+
+def _scanned(train_step):
+    """`(state, group) -> (logs, state)`: `train_step` over each batch of a
+    stacked group in turn (`jax.lax.scan`); the logs are the last step's."""
+
+    def scanned(state, group):
+        def body(state, batch):
+            logs, state = train_step(state, batch)
+            return state, logs
+
+        state, logs = jax.lax.scan(body, state, group)
+        return tree.map_structure(lambda x: x[-1], logs), state
+
+    return scanned
 
 
 def _iterator_step(model, step, concatenate_outputs=False):
