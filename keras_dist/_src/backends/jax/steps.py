@@ -6,8 +6,8 @@
 stateless step with the state's shardings (the engine's) and feeds it
 batches placed by the engine, one batch a step. Keras 3.16 and later
 read groups of `steps_per_execution` batches stacked on a new leading
-axis: in one process, a training group whose batches the batch axis
-divides runs as one `jax.lax.scan` over its steps, each step's batch
+axis: in one process, a training or evaluation group whose batches the
+batch axis divides runs as one `jax.lax.scan` over its steps, each step's batch
 split over the replicas (one dispatch a group, as Keras's own trainer);
 any other group is taken apart and stepped one batch at a time. With
 `sync_batch_norm=False` the train step runs per replica under
@@ -166,7 +166,7 @@ class StepFunctions:
         return model.train_function
 
     def _scans_groups(self) -> bool:
-        """Whether training groups of steps run as one scan: Keras stacks
+        """Whether groups of steps run as one scan: Keras stacks
         them (3.16+), the steps are jitted, and one process places them
         (several processes place each batch from their own parts)."""
         model = self.model
@@ -244,8 +244,12 @@ class StepFunctions:
             model
         )
         state = (trainable, non_trainable, metrics)
-        step = self._compile(model.test_step, (self.engine.replicated, state))
-        model.test_function = self._wrap(step, state)
+        out = (self.engine.replicated, state)
+        step = self._compile(model.test_step, out)
+        scan = None
+        if self._scans_groups():
+            scan = self._compile(_scanned(model.test_step), out)
+        model.test_function = self._wrap(step, state, scan=scan)
         return model.test_function
 
     def make_predict_function(self, force=False):
@@ -302,8 +306,9 @@ def _one_batch_at_a_time(model, iterator):
 
 
 def _scanned(train_step):
-    """`(state, group) -> (logs, state)`: `train_step` over each batch of a
-    stacked group in turn (`jax.lax.scan`); the logs are the last step's."""
+    """`(state, group) -> (logs, state)`: `train_step` (or a test step)
+    over each batch of a stacked group in turn (`jax.lax.scan`); the logs
+    are the last step's."""
 
     def scanned(state, group):
         def body(state, batch):
