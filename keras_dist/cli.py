@@ -119,121 +119,6 @@ def _listens(backend: str, processes: int, problems: list) -> list | None:
         return None
 
 
-# -- all-reduce checks, one a backend ------------------------------------------
-# Each returns (result, expected, what it reduced over).
-def _triangle(n: int) -> float:
-    return float(n * (n + 1) // 2)  # 1 + 2 + ... + n
-
-
-def _over(devices: list[str]) -> str:
-    return f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
-
-
-def _all_reduce_jax(devices: list[str]) -> tuple[float, float, str]:
-    """Sum of 1..N over an array sharded on a `Mesh` of `devices`."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    by_name = {}
-    for device in jax.devices():
-        by_name[f"{device.platform}:{device.id}"] = device
-    if jax.default_backend() != "cpu":
-        for device in jax.devices("cpu"):
-            by_name.setdefault(f"cpu:{device.id}", device)
-    mesh = Mesh(np.array([by_name[d] for d in devices]), ("replica",))
-    values = np.arange(1, len(devices) + 1, dtype="float32")
-    sharded = jax.device_put(
-        values, NamedSharding(mesh, PartitionSpec("replica"))
-    )
-    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))
-    result = total(sharded)
-    shards = {float(s.data) for s in result.addressable_shards}
-    if len(shards) != 1:
-        raise RuntimeError(f"the devices disagree on the sum: {shards}")
-    return float(result), _triangle(len(devices)), _over(devices)
-
-
-def _all_reduce_tensorflow(devices: list[str]) -> tuple[float, float, str]:
-    """A replica-context all-reduce under `tf.distribute.MirroredStrategy`."""
-    import tensorflow as tf
-
-    names = []
-    for device in devices:
-        kind, index = device.split(":")
-        names.append(f"/device:{kind.upper()}:{index}")
-    strategy = tf.distribute.MirroredStrategy(names)
-
-    @tf.function
-    def step():
-        def replica_fn():
-            context = tf.distribute.get_replica_context()
-            own = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
-            return context.all_reduce(tf.distribute.ReduceOp.SUM, own)
-
-        return strategy.run(replica_fn)
-
-    results = {
-        float(v.numpy()) for v in strategy.experimental_local_results(step())
-    }
-    if len(results) != 1:
-        raise RuntimeError(f"the replicas disagree on the sum: {results}")
-    return results.pop(), _triangle(len(devices)), _over(devices)
-
-
-def _all_reduce_torch(devices: list[str]) -> tuple[float, float, str]:
-    """An all-reduce in a one-process gloo group: on torch each device is a
-    process, and the doctor starts none."""
-    import datetime
-    import tempfile
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("a torch process group already runs here")
-    with tempfile.TemporaryDirectory() as folder:
-        store = dist.FileStore(os.path.join(folder, "store"), 1)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            value = torch.ones(1)
-            dist.all_reduce(value)
-            return float(value[0]), 1.0, "a gloo group of 1 process"
-        finally:
-            dist.destroy_process_group()
-
-
-_ALL_REDUCE = {
-    "jax": _all_reduce_jax,
-    "tensorflow": _all_reduce_tensorflow,
-    "torch": _all_reduce_torch,
-}
-
-
-def _framework_versions(backend: str) -> dict:
-    if backend == "jax":
-        return {"jax": _version("jax"), "jaxlib": _version("jaxlib")}
-    if backend == "tensorflow":
-        return {"tensorflow": _version("tensorflow")}
-    if backend == "torch":
-        versions = {"torch": _version("torch")}
-        try:
-            import torch
-
-            versions["torch_cuda"] = torch.version.cuda
-        except Exception:  # noqa: BLE001
-            pass
-        return versions
-    return {}
-
-
 def _cpu_ranks(problems: list) -> dict:
     """What torch's CPU ranks do with their cores and their malloc
     (`KERAS_DIST_CPU_BINDING`, `KERAS_DIST_CPU_ALLOCATOR`); a bad setting,
@@ -294,12 +179,13 @@ def collect(cpu_devices: int = 0) -> dict:
         return report
     backend = keras.backend.backend()
     report["backend"] = backend
-    report["versions"].update(_framework_versions(backend))
     try:
         module = _backend_module()
     except Exception as error:  # noqa: BLE001
         problems.append(f"backend {backend!r}: {error}")
         return report
+    report["versions"].update(module.framework_versions())
+    per_device = module.CAPABILITIES.process_per_device
 
     # Before anything asks the backend for its devices: `import keras_dist`
     # ran before this function, so the environment variable alone is late.
@@ -321,7 +207,7 @@ def collect(cpu_devices: int = 0) -> dict:
         problems.append(f"MirroredStrategy() has no devices: {error}")
         devices = []
     mirrored = {"devices": devices, "replicas": len(devices)}
-    if backend == "torch":
+    if per_device:
         mirrored["processes"] = len(devices)
         mirrored["note"] = (
             f"starts {len(devices)} processes (one per device) unless a "
@@ -332,9 +218,9 @@ def collect(cpu_devices: int = 0) -> dict:
     else:
         mirrored["processes"] = 1
     report["mirrored_strategy"] = mirrored
-    if backend == "torch" and devices and devices[0].startswith("cpu"):
+    if per_device and devices and devices[0].startswith("cpu"):
         report["cpu_ranks"] = _cpu_ranks(problems)
-    report["mesh"] = _mesh_report(backend, devices)
+    report["mesh"] = _mesh_report(module, devices)
     if cpu_devices and devices and devices[0].startswith("cpu"):
         if len(devices) != cpu_devices:
             problems.append(
@@ -352,17 +238,17 @@ def collect(cpu_devices: int = 0) -> dict:
         problems.append(f"cluster environment: {error}")
     environment = report["cluster"].get("environment") or {}
     report["listens"] = _listens(backend, len(devices), problems)
-    if backend == "torch" and environment.get("world_size", 1) > 1:
+    if per_device and environment.get("world_size", 1) > 1:
         mirrored["note"] = (
             f"joins the {environment['source']} job as rank "
             f"{environment['rank']} of {environment['world_size']}"
         )
 
-    if devices and backend in _ALL_REDUCE:
+    if devices:
         total = expected = over = None
         start = time.perf_counter()
         try:
-            total, expected, over = _ALL_REDUCE[backend](devices)
+            total, expected, over = module.all_reduce_check(devices)
         except Exception as error:  # noqa: BLE001
             problems.append(
                 f"all-reduce over {devices} failed: "
@@ -475,14 +361,16 @@ def _format(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _mesh_report(backend, devices) -> dict:
+def _mesh_report(module, devices) -> dict:
     """What a mesh strategy would use here: the default 1-D mesh of
     ShardedDataParallel() and how a ModelParallel mesh of these devices
-    could be shaped (TensorFlow: refused)."""
-    if backend == "tensorflow":
+    could be shaped (where the backend runs layouts)."""
+    from keras_dist._src.plan import LayoutPlan
+
+    if LayoutPlan in module.CAPABILITIES.refused_plans:
         return {
             "text": "ModelParallel / ShardedDataParallel: not available on "
-            "TensorFlow (use jax or torch)"
+            f"{module.NAME} (use jax or torch)"
         }
     n = len(devices)
     shapes = [(n // m, m) for m in range(1, n + 1) if n % m == 0]

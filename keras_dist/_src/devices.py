@@ -103,3 +103,10 @@ def requested_cpu_devices_from_env() -> int | None:
             "to the number of CPU devices to simulate, e.g. 4."
         )
     return count
+
+
+def sum_over(devices) -> tuple[float, str]:
+    """What an all-reduce sum of 1, 2, ..., N over N `devices` gives, and
+    how to say what it reduced over (`keras-dist doctor`)."""
+    n = len(devices)
+    return float(n * (n + 1) // 2), f"{n} device{'s' if n != 1 else ''}"

@@ -147,6 +147,14 @@ class BackendModule(Protocol):
         """Returns this process's engine for `plan` (a `plan.Plan`), chosen
         by the plan's type from the backend's `ENGINES` registry."""
 
+    def framework_versions(self) -> dict:
+        """The framework's package versions (`keras-dist doctor`)."""
+
+    def all_reduce_check(self, devices: list[str]) -> tuple[float, float, str]:
+        """One all-reduce over `devices` with the framework's own
+        collectives (`keras-dist doctor`): ``(result, expected, what it
+        reduced over)``."""
+
 
 #: Topologies a backend's `create_runtime` accepts.
 KINDS = TOPOLOGIES
@@ -161,6 +169,7 @@ INNER_MODULES = (
     "tpu",
     "inputs",
     "batch_norm",
+    "doctor",
 )
 
 CONTRACT_FUNCTIONS = (
@@ -174,6 +183,8 @@ CONTRACT_FUNCTIONS = (
     "import_state",
     "create_runtime",
     "create_engine",
+    "framework_versions",
+    "all_reduce_check",
 )
 ENGINE_METHODS = (
     "scope",

@@ -26,6 +26,8 @@ class _MeshStrategy(Strategy):
     def __init__(self, mesh, batch_axis, input_options, cluster_resolver):
         """`mesh` None: a 1-D mesh named "batch" over every device of the
         job (resolved by the backend once the job is joined)."""
+        # The backend's clear error, before any runtime starts.
+        backend_lib.refuse_unsupported(self._plan_type)
         if mesh is None:
             batch_axis = batch_axis or "batch"
         elif batch_axis is None:
@@ -106,6 +108,8 @@ class ModelParallel(_MeshStrategy):
             indivisible dimension, a key that matches no variable).
     """
 
+    _plan_type = LayoutPlan
+
     def __init__(
         self,
         layout_map,
@@ -161,6 +165,8 @@ class ShardedDataParallel(_MeshStrategy):
         input_options: how input is sharded between workers.
         cluster_resolver: where this process stands in a job.
     """
+
+    _plan_type = ShardedPlan
 
     def __init__(
         self,

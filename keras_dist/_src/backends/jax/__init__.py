@@ -24,6 +24,10 @@ from keras_dist._src.backends.jax.devices import (
     simulate_cpu_devices,
     variables_distributed,
 )
+from keras_dist._src.backends.jax.doctor import (
+    all_reduce_check,
+    framework_versions,
+)
 from keras_dist._src.backends.jax.runtime import create_runtime
 from keras_dist._src.backends.parameter_server import unsupported_engine
 
@@ -54,10 +58,12 @@ CAPABILITIES = _Capabilities(
 __all__ = [
     "CAPABILITIES",
     "NAME",
+    "all_reduce_check",
     "create_engine",
     "create_runtime",
     "default_devices",
     "export_state",
+    "framework_versions",
     "host_array",
     "import_state",
     "list_devices",

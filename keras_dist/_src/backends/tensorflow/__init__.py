@@ -35,6 +35,10 @@ from keras_dist._src.backends.tensorflow.devices import (
     simulate_cpu_devices,
     variables_distributed,
 )
+from keras_dist._src.backends.tensorflow.doctor import (
+    all_reduce_check,
+    framework_versions,
+)
 from keras_dist._src.backends.tensorflow.runtime import create_runtime
 from keras_dist._src.framework_glue import (
     tensorflow_private as _tensorflow_private,
@@ -60,6 +64,7 @@ NAME = "tensorflow"
 #: What the shared code needs to know of this backend.
 CAPABILITIES = _Capabilities(
     native_tf_data=True,
+    refused_plans=(_plan.LayoutPlan, _plan.ShardedPlan),
     op_seed_generator=_tensorflow_private.eager_op_seed_generator,
     connect_tpu=tpu.connect_tpu,
 )
@@ -67,10 +72,12 @@ CAPABILITIES = _Capabilities(
 __all__ = [
     "CAPABILITIES",
     "NAME",
+    "all_reduce_check",
     "create_engine",
     "create_runtime",
     "default_devices",
     "export_state",
+    "framework_versions",
     "host_array",
     "import_state",
     "list_devices",

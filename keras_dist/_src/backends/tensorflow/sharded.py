@@ -20,9 +20,9 @@ def create_engine(plan, runtime, input_options):
     Raises:
         UnsupportedBackendError: always, naming the alternatives.
     """
-    del runtime, input_options
+    del plan, runtime, input_options
     raise UnsupportedBackendError(
-        f"{type(plan).__name__} (ModelParallel / ShardedDataParallel) is not "
+        "ModelParallel and ShardedDataParallel are not "
         "available on the TensorFlow backend: Keras 3's TensorFlow "
         "distribution_lib is a prototype in which variables never consult "
         "a layout, and tf.experimental.dtensor with Keras 3 optimizers "

@@ -29,6 +29,10 @@ from keras_dist._src.backends.torch.devices import (
     simulate_cpu_devices,
     variables_distributed,
 )
+from keras_dist._src.backends.torch.doctor import (
+    all_reduce_check,
+    framework_versions,
+)
 from keras_dist._src.backends.torch.runtime import create_runtime
 
 #: Which engine runs each plan type (a strategy's plan -> its policy).
@@ -61,10 +65,12 @@ CAPABILITIES = _Capabilities(
 __all__ = [
     "CAPABILITIES",
     "NAME",
+    "all_reduce_check",
     "create_engine",
     "create_runtime",
     "default_devices",
     "export_state",
+    "framework_versions",
     "host_array",
     "import_state",
     "list_devices",
