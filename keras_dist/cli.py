@@ -171,13 +171,13 @@ def collect(cpu_devices: int = 0) -> dict:
         "problems": problems,
     }
     try:
-        import keras
-
         import keras_dist
     except Exception as error:  # noqa: BLE001
         problems.append(f"cannot import keras_dist: {error}")
         return report
-    backend = keras.backend.backend()
+    from keras_dist._src import backends as backend_lib
+
+    backend = backend_lib.name()  # reported, never compared
     report["backend"] = backend
     try:
         module = _backend_module()
@@ -220,7 +220,7 @@ def collect(cpu_devices: int = 0) -> dict:
     report["mirrored_strategy"] = mirrored
     if per_device and devices and devices[0].startswith("cpu"):
         report["cpu_ranks"] = _cpu_ranks(problems)
-    report["mesh"] = _mesh_report(module, devices)
+    report["mesh"] = _mesh_report(module, backend, devices)
     if cpu_devices and devices and devices[0].startswith("cpu"):
         if len(devices) != cpu_devices:
             problems.append(
@@ -361,7 +361,7 @@ def _format(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _mesh_report(module, devices) -> dict:
+def _mesh_report(module, backend, devices) -> dict:
     """What a mesh strategy would use here: the default 1-D mesh of
     ShardedDataParallel() and how a ModelParallel mesh of these devices
     could be shaped (where the backend runs layouts)."""
@@ -370,7 +370,7 @@ def _mesh_report(module, devices) -> dict:
     if LayoutPlan in module.CAPABILITIES.refused_plans:
         return {
             "text": "ModelParallel / ShardedDataParallel: not available on "
-            f"{module.NAME} (use jax or torch)"
+            f"{backend} (use jax or torch)"
         }
     n = len(devices)
     shapes = [(n // m, m) for m in range(1, n + 1) if n % m == 0]
