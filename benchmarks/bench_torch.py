@@ -51,6 +51,13 @@ kernel and touched again).
 ``BENCH_SYNC_BN=0`` gives keras_dist per-process BatchNormalization, like
 the DDP baseline.
 
+``BENCH_WHOLE=1`` times whole ``fit`` calls as a user meets them (the
+Keras modes: ``keras``, ``keras_tuned``, ``keras_dist``,
+``keras_upstream``): the epoch's iterator, a validation pass over a
+quarter as many batches and a ``keras.callbacks.ModelCheckpoint`` saving
+the weights at the epoch's end; the figure is the whole call's wall time
+over its training steps.
+
 ``BENCH_DEVICE=gpu`` runs every mode on the GPUs instead: one rank per GPU
 for ``keras_dist`` (`MultiWorkerMirroredStrategy`, NCCL, global batch
 ``GPUs * B``) and ``ddp`` (NCCL, torch's `SyncBatchNorm`); ``keras`` and
@@ -75,6 +82,7 @@ BATCH = int(os.environ.get("BENCH_BATCH", "64"))
 MODEL = os.environ.get("BENCH_MODEL", "dense")
 WARMUP = 5
 GPU = os.environ.get("BENCH_DEVICE", "cpu") == "gpu"
+WHOLE = os.environ.get("BENCH_WHOLE", "0") == "1"
 
 
 def _data(samples):
@@ -153,12 +161,35 @@ def _time_keras_fit(model, x, y, batch, steps):
             steps_per_epoch=steps_per_epoch,
             shuffle=False,
             verbose=0,
+            **_whole_fit_extras(
+                steps_per_epoch, batch, lambda n: (x[:n], y[:n])
+            ),
         )
 
     fit(WARMUP)
     clock = _Clock()
     fit(steps)
     return clock.per_step(steps)
+
+
+def _whole_fit_extras(steps, batch, validation_rows):
+    """With ``BENCH_WHOLE=1``, `fit`'s validation data (a quarter as many
+    batches of `batch` as `steps`: ``validation_rows(n)``) and a checkpoint
+    of the weights at the epoch's end; else nothing."""
+    if not WHOLE:
+        return {}
+    import tempfile
+
+    import keras
+
+    path = os.path.join(tempfile.mkdtemp(), "bench.weights.h5")
+    n = batch * max(1, steps // 4)
+    return {
+        "validation_data": validation_rows(n),
+        "callbacks": [
+            keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+        ],
+    }
 
 
 def _faults():
@@ -372,10 +403,28 @@ def run_keras_upstream(steps):
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    model.fit(loader, epochs=1, steps_per_epoch=WARMUP, verbose=0)
+
+    def validation_rows(n):  # this process's own rows, as in training
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(
+                torch.as_tensor(x[:n]), torch.as_tensor(y[:n])
+            ),
+            batch_size=BATCH,
+        )
+
+    def fit(steps):
+        model.fit(
+            loader,
+            epochs=1,
+            steps_per_epoch=steps,
+            verbose=0,
+            **_whole_fit_extras(steps, BATCH, validation_rows),
+        )
+
+    fit(WARMUP)
     torch.distributed.barrier()
     clock = _Clock()
-    model.fit(loader, epochs=1, steps_per_epoch=steps, verbose=0)
+    fit(steps)
     torch.distributed.barrier()
     seconds = clock.per_step(steps)
     torch.distributed.destroy_process_group()
