@@ -145,6 +145,33 @@ NEXT_SKIP=(
   tests/test_tpu.py::test_tensorflow_silent_tpu_address_times_out_with_the_same_error
 )
 
+# Also left out of the newest Keras's runs, each a rule of keras_dist's
+# own that the pinned runs check, or a variant whose kind runs on the
+# newest Keras in another test. On every backend: a batch smaller than the
+# replica count, the replicas' identical variables, a DataLoader
+# reshuffled on resume (tf.data runs) and the backup's file hygiene. On
+# TensorFlow also: OFF/FILE input between workers (Keras 3.16 changed
+# JAX's input path, whose run keeps it), the multi-worker tutorial's
+# shape, the chief's lone calls (3.16's DDP set-up is torch's: its run
+# keeps them) and one parameter-server worker (two run).
+NEXT_SKIP_ALL=(
+  --deselect tests/test_parity.py::test_batch_smaller_than_replica_count
+  --deselect tests/test_parity.py::test_replicas_hold_identical_variables
+  --deselect
+  "tests/test_checkpoint.py::test_interrupted_fit_on_a_reshuffled_input_resumes_exactly[DataLoader]"
+  --deselect tests/test_checkpoint.py::test_backup_deletes_only_its_own_files
+)
+NEXT_SKIP_TENSORFLOW=(
+  --deselect
+  tests/test_multi_worker.py::test_file_and_off_policies_between_workers
+  --deselect tests/test_multi_worker.py::test_keras_multi_worker_tutorial_shape
+  --deselect
+  tests/test_multi_worker.py::test_a_call_on_the_chief_alone_fails_at_once
+  --deselect
+  tests/test_multi_worker.py::test_saving_on_the_chief_alone_lets_the_job_go_on
+  --deselect tests/test_parameter_server.py::test_one_worker_equals_one_device
+)
+
 # run PYTHON LABEL BACKEND [PYTEST ARGS...] (default: every test).
 run() {
   local python=$1 label=$2 backend=$3 began=$SECONDS
@@ -180,7 +207,8 @@ lane_a() {
     || s=1
   if [ "$NEXT" = "1" ]; then
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" tensorflow \
-      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
+      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" "${NEXT_SKIP_ALL[@]}" \
+      "${NEXT_SKIP_TENSORFLOW[@]}" || s=1
   fi
   return $s
 }
@@ -192,9 +220,9 @@ lane_b() {
     --ignore="$CAPPED" --ignore="$TORCH_CKPT" || s=1
   if [ "$NEXT" = "1" ]; then
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" jax \
-      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
+      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" "${NEXT_SKIP_ALL[@]}" || s=1
     KERAS_DIST_MATRIX_REPLICAS=2 run "${NEWEST[@]}" torch \
-      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" || s=1
+      "${NEXT_TESTS[@]}" "${NEXT_SKIP[@]}" "${NEXT_SKIP_ALL[@]}" || s=1
   fi
   return $s
 }
