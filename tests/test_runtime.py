@@ -95,7 +95,7 @@ def test_membership_is_one_rule_for_every_backend(
         devices,
         given,
         process_per_device=per_device,
-        in_job=in_job,
+        in_job=lambda: in_job,
     )
     assert member.job is job
     if env == "local":
@@ -106,6 +106,19 @@ def test_membership_is_one_rule_for_every_backend(
         runtime_lib.membership(
             "two_hosts", devices, None, process_per_device=False
         )
+
+
+def test_one_device_never_reads_the_launchers_variables():
+    """A one-device strategy trains alone without asking whether a job
+    runs: a partial launcher setting (RANK alone) must not stop it."""
+
+    def in_job():
+        raise AssertionError("asked")
+
+    member = runtime_lib.membership(
+        "one_device", ["cpu:0"], None, process_per_device=True, in_job=in_job
+    )
+    assert member.job is False
 
 
 def test_local_runtime():

@@ -14,7 +14,7 @@ step stay in each backend's data-parallel code.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -246,14 +246,15 @@ def membership(
     environment: ClusterEnvironment | None,
     *,
     process_per_device: bool,
-    in_job: bool = False,
+    in_job: Callable[[], bool] = lambda: False,
 ) -> Membership:
     """The one rule, for every backend, that turns a strategy's topology
     into "alone" or "one process of a job".
 
     - One device: alone.
     - A backend with a process per device (torch): one device outside a
-      launched job (`in_job`) and with no environment given is alone;
+      launched job (``in_job()``, asked only here: reading the launcher's
+      variables can raise) and with no environment given is alone;
       anything else is a job (several devices on one host: the backend
       starts a process per device).
     - A backend whose one process drives several devices (JAX, TensorFlow):
@@ -265,7 +266,7 @@ def membership(
     if topology is Topology.ONE_DEVICE:
         return Membership(job=False)
     if process_per_device:
-        if environment is None and len(devices) == 1 and not in_job:
+        if environment is None and len(devices) == 1 and not in_job():
             return Membership(job=False)
         if topology is Topology.MULTI_WORKER and environment is None:
             environment = detect_environment()

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -439,5 +440,9 @@ def _install_excepthook(job: Job) -> None:
                 job.report(f"rank {job.rank}: {kind.__name__}: {value}")
         job.mute()
         original(kind, value, tb)
+        if isinstance(value, RankFailedError):
+            # Stopped by another rank's failure: let that rank exit first,
+            # so that the launcher names it (as the watchdog's stop does).
+            time.sleep(supervision.PEER_FAILURE_GRACE)
 
     sys.excepthook = hook

@@ -125,7 +125,7 @@ def create_runtime(kind, devices, environment=None):
         devices,
         environment,
         process_per_device=True,
-        in_job=joins_job(),
+        in_job=joins_job,
     )
     if not member.job:
         return LocalRuntime()
