@@ -97,13 +97,17 @@ class StepFunctions:
     def _placed(self, iterator, groups=None):
         """Places each batch of `iterator` (or of `groups`, read from it);
         checks it matches the first batch's shapes."""
-        if iterator is not self._iterator:  # a new epoch or a new input
-            self._iterator = iterator
-            self._first_batch = None
+        self._track(iterator)
         source = iterator if groups is None else groups
         for batch in _one_batch_at_a_time(self.model, source):
             self._check(batch)
             yield self.engine.place_batch(batch)
+
+    def _track(self, iterator):
+        """Checks start again with a new epoch or a new input."""
+        if iterator is not self._iterator:
+            self._iterator = iterator
+            self._first_batch = None
 
     def _check(self, batch):
         if self._first_batch is None:
@@ -124,22 +128,13 @@ class StepFunctions:
             return x is None or (np.ndim(x) >= 2 and np.shape(x)[1] % n == 0)
 
         def group_step(state, iterator):
-            if iterator is not self._iterator:
-                self._iterator = iterator
-                self._first_batch = None
+            self._track(iterator)
             group = next(iterator)
             if not glue.is_partial_step_group(group) and all(
                 divides(x) for x in tree.flatten(group)
             ):
-                leaves = [x for x in tree.flatten(group) if x is not None]
-                for i in range(np.shape(leaves[0])[0] if leaves else 0):
-                    self._check(
-                        tree.map_structure(
-                            lambda x, i=i: None if x is None else x[i],
-                            group,
-                            none_is_leaf=True,
-                        )
-                    )
+                for batch in _one_batch_at_a_time(self.model, [group]):
+                    self._check(batch)
                 return scan(state, engine.place_group(group))
             return placed_step(state, self._placed(iterator, [group]))
 
