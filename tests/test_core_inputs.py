@@ -77,7 +77,7 @@ def test_jax_gather_keeps_64_bit_values_exact():
 
     if keras.backend.backend() != "jax":
         pytest.skip("JAX's process_allgather")
-    from keras_dist._src.backends.jax.engine import (
+    from keras_dist._src.backends.jax.chief_values import (
         process_allgather as _process_allgather,
     )
 
@@ -102,7 +102,7 @@ def test_jax_sync_moves_only_variables_whose_copies_differ():
         pytest.skip("JAX's multi-process engine")
     import jax
 
-    from keras_dist._src.backends.jax import engine
+    from keras_dist._src.backends.jax import chief_values as engine
 
     slots = len(jax.local_devices())
     one = np.zeros((3, slots, 2), np.uint64)
@@ -119,8 +119,8 @@ def test_jax_sync_moves_only_variables_whose_copies_differ():
         def __init__(self, value):
             self.value = value
 
-    a = engine._fingerprints([Held(jax.numpy.arange(6.0)), Held(np.ones(2))])
-    b = engine._fingerprints([Held(jax.numpy.arange(6.0)), Held(np.zeros(2))])
+    a = engine.fingerprints([Held(jax.numpy.arange(6.0)), Held(np.ones(2))])
+    b = engine.fingerprints([Held(jax.numpy.arange(6.0)), Held(np.zeros(2))])
     assert a.shape == (2, slots, 2)
     assert (a[0] == b[0]).all() and (a[0] != 0).any()
     assert (a[1, 0, 0] == b[1, 0, 0]) and (a[1, 0, 1] != b[1, 0, 1])

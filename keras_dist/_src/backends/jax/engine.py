@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 
 import jax
 import numpy as np
@@ -33,6 +32,11 @@ from keras import distribution as keras_distribution
 from keras import tree
 
 from keras_dist._src.backends.contract import EngineDefaults
+from keras_dist._src.backends.jax.chief_values import (
+    from_chief,
+    parts_that_differ,
+    process_allgather,
+)
 from keras_dist._src.backends.jax.devices import OWN_MESHES
 from keras_dist._src.backends.jax.inputs import (
     distribute_dataset,
@@ -197,14 +201,15 @@ class SPMDEngine(EngineDefaults):
         the chief alone loaded weights).
 
         First one small collective compares fingerprints of every part of
-        each variable that several processes hold (`_parts_that_differ`);
+        each variable that several processes hold
+        (`chief_values.parts_that_differ`);
         only a variable whose copies differ travels, whole, from the
         chief. Variables made in the scope already hold the chief's
         values, so attaching a model moves none of them."""
         variables = list(variables)
-        for variable in _parts_that_differ(variables):
+        for variable in parts_that_differ(variables):
             sharding = self.sharding_of(variable.value)
-            value = _from_chief(host_value(variable.value))
+            value = from_chief(host_value(variable.value))
             glue.set_variable_value(variable, self.put(value, sharding))
 
     def sharding_of(self, value):
@@ -260,7 +265,7 @@ class SPMDEngine(EngineDefaults):
         if getattr(x, "sharding", None) == sharding:
             return x
         if self.multi_process:
-            return self.put(_from_chief(host_value(x)), sharding)
+            return self.put(from_chief(host_value(x)), sharding)
         return jax.device_put(x, sharding)
 
     def place_state(self, state, shardings):
@@ -407,71 +412,6 @@ def _gathering_array(original):
     return __array__
 
 
-def _fingerprints(variables) -> np.ndarray:
-    """``[variable, slot, (where, what)]``: for each part of each variable
-    this process holds (one slot per local device at most, in device
-    order), a 64-bit hash of the part's place in the whole value and one
-    of its bytes; zeros in an unused slot."""
-    slots = len(jax.local_devices())
-    out = np.zeros((len(variables), slots, 2), np.uint64)
-    for i, variable in enumerate(variables):
-        value = variable.value
-        if isinstance(value, jax.Array):
-            parts = [
-                (tuple((s.start, s.stop) for s in shard.index), shard.data)
-                for shard in sorted(
-                    value.addressable_shards, key=lambda s: s.device.id
-                )
-            ]
-        else:
-            parts = [("whole", value)]
-        for j, (where, data) in enumerate(parts[:slots]):
-            data = np.ascontiguousarray(np.asarray(data)).reshape(-1)
-            out[i, j, 0] = _hash64(repr(where).encode())
-            out[i, j, 1] = _hash64(data.view(np.uint8))
-    return out
-
-
-def _hash64(data) -> int:
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def _parts_that_differ(variables) -> list:
-    """The `variables` of which some part, held by several processes,
-    differs between them (the same list on every process: every process
-    decides from the same gathered fingerprints)."""
-    if not variables:
-        return []
-    gathered = process_allgather([_fingerprints(variables)])
-    differs = differing_parts([g[0] for g in gathered])
-    return [v for v, d in zip(variables, differs) if d]
-
-
-def differing_parts(fingerprints) -> list:
-    """For each variable, whether two processes hold the same part of it
-    (the same place in the whole value) with different bytes, from every
-    process's `_fingerprints` (zeros: no part on that device)."""
-    count = fingerprints[0].shape[0]
-    result = []
-    for i in range(count):
-        seen = {}
-        differs = False
-        for process in fingerprints:
-            for where, what in process[i]:
-                if not where and not what:
-                    continue
-                if seen.setdefault(int(where), int(what)) != int(what):
-                    differs = True
-        result.append(differs)
-    return result
-
-
-def _from_chief(value):
-    """The chief's `value` (a host array) on every process."""
-    return np.asarray(multihost_utils.broadcast_one_to_all(value))
-
-
 def _from_chief_tensor(original):
     def distribute_tensor(tensor, layout):
         # Variables created in the scope take the chief's initial value.
@@ -480,29 +420,6 @@ def _from_chief_tensor(original):
             sharding, jax.sharding.Sharding
         ):
             return original(tensor, layout)
-        return _global_array(_from_chief(host_value(tensor)), sharding)
+        return _global_array(from_chief(host_value(tensor)), sharding)
 
     return distribute_tensor
-
-
-def process_allgather(arrays) -> list:
-    """Every process's `arrays` (a list of NumPy arrays of the same shapes
-    everywhere), in process order, through JAX's own collective. 64-bit
-    values travel as uint32 pairs (JAX computes in 32 bits by default)."""
-
-    def words(x):
-        x = np.ascontiguousarray(x)
-        if x.dtype.itemsize == 8 and x.ndim:
-            return x.view(np.uint32)
-        return x
-
-    stacked = multihost_utils.process_allgather([words(x) for x in arrays])
-    return [
-        [
-            np.asarray(g[w]).view(x.dtype)
-            if x.dtype.itemsize == 8 and x.ndim
-            else np.asarray(g[w])
-            for g, x in zip(stacked, arrays)
-        ]
-        for w in range(jax.process_count())
-    ]
