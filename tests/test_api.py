@@ -385,6 +385,25 @@ def test_first_fit_says_what_trains_where_once(capfd):
     ]
 
 
+def test_the_start_line_names_a_sharded_plans_mesh():
+    # ShardedDataParallel without a mesh splits its variables over a 1-D
+    # mesh of the replicas; the line said "every variable whole".
+    import types
+
+    from keras_dist._src import output
+    from keras_dist._src import plan as plan_lib
+
+    # As on torch, where the job's size makes the mesh.
+    plan = plan_lib.ShardedPlan(
+        plan_lib.Topology.MIRRORED, ("cpu:0",), batch_axis="batch", min_size=64
+    )
+    strategy = types.SimpleNamespace(plan=plan)
+    assert output._mesh_text(strategy) == (
+        "1-D mesh over the replicas, axis 'batch' (each variable of 64+ "
+        "elements split)"
+    )
+
+
 def test_one_replica_found_says_how_to_get_more():
     from keras_dist._src import output
 

@@ -130,7 +130,15 @@ def _plural(count: int, word: str) -> str:
 
 
 def _mesh_text(strategy) -> str:
-    mesh = strategy.plan.mesh
+    from keras_dist._src import plan as plan_lib
+
+    plan = strategy.plan
+    mesh = plan.mesh
+    if mesh is None and isinstance(plan, plan_lib.ShardedPlan):
+        return (
+            f"1-D mesh over the replicas, axis {plan.batch_axis!r} (each "
+            f"variable of {plan.min_size}+ elements split)"
+        )
     if mesh is None:
         return "no mesh (every variable whole on each replica)"
     return f"mesh {mesh.shape} axes {mesh.axis_names}"
