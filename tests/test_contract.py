@@ -270,6 +270,7 @@ KERAS_PRIVATE_NAMES = (
     "_get_iterator",
     "_dataloader",
     "_initialize",
+    "name_scope_stack",
 )
 GLUE_DIR = SRC / "keras_glue"
 

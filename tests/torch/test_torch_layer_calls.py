@@ -5,7 +5,8 @@
 One part of the shared 2-rank torch job (`register_torch_part`) trains a
 tiny causal language model (Embedding -> Dense -> Dense to the
 vocabulary) under `ModelParallel` (1x2 mesh: the table split by rows, a
-kernel by columns) and `ShardedDataParallel`, then generates 3 tokens by
+kernel by columns; also as a subclassed model built by a first call on
+data in the scope) and `ShardedDataParallel`, then generates 3 tokens by
 calling the layers one by one, as KerasHub's samplers call
 ``backbone.token_embedding``; once more with an ``"hidden/output"`` key
 and the layers built in ``RematScope(mode="full")``, and under
@@ -54,9 +55,43 @@ class RematMLP(keras.layers.Layer):
         return keras.remat(self.dense)(h)
 
 
-def build(seed, remat=None, remat_fn=False):
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="lm")
+        self.embedding = keras.layers.Embedding(V, 8, name="embedding")
+        self.hidden = keras.layers.Dense(12, activation="tanh", name="hidden")
+        self.head = keras.layers.Dense(V, name="head")
+
+    def build(self, shape):
+        self.embedding.build(shape)
+        self.hidden.build(shape + (8,))
+        self.head.build(shape + (12,))
+
+    def call(self, ids):
+        return self.head(self.hidden(self.embedding(ids)))
+
+
+def before_compile(model):
+    pass  # the part records which variables are split already
+
+
+def compile_model(model):
+    before_compile(model)
+    model.compile(
+        keras.optimizers.SGD(0.5, momentum=0.5),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def build(seed, remat=None, remat_fn=False, subclassed=False):
     keras.backend.clear_session()  # the same layer names every time
     keras.utils.set_random_seed(seed)
+    if subclassed:
+        # Built (its own `build`) by its first call, eagerly, on data.
+        model = Subclassed()
+        model(x[:2])
+        return compile_model(model)
     scope = keras.RematScope(mode=remat) if remat else None
     if scope:
         scope.__enter__()
@@ -68,12 +103,7 @@ def build(seed, remat=None, remat_fn=False):
     logits = keras.layers.Dense(V, name="head")(h)
     if scope:
         scope.__exit__(None, None, None)
-    model = keras.Model(inp, logits)
-    model.compile(
-        keras.optimizers.SGD(0.5, momentum=0.5),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
+    return compile_model(keras.Model(inp, logits))
 
 
 def generate(model, tokens, steps=3):
@@ -101,6 +131,10 @@ def train_and_generate(model):
 CASES = {
     "mp": ("keras_dist.ModelParallel(layout_map(), 'batch')", {}),
     "sdp": ("keras_dist.ShardedDataParallel(min_size=16)", {}),
+    "mp_subclassed": (
+        "keras_dist.ModelParallel(layout_map(), 'batch')",
+        {"subclassed": True},
+    ),
     "mp_output_remat": (
         "keras_dist.ModelParallel(layout_map(output=True), 'batch')",
         {"remat": "full"},
@@ -124,8 +158,8 @@ rank = int(os.environ.get("RANK", 0))
 def layout_map(output=False):
     mesh = keras_dist.DeviceMesh((1, 2), ("batch", "model"))
     layouts = keras_dist.LayoutMap(mesh)
-    layouts["embedding/embeddings"] = ("model", None)
-    layouts["hidden/kernel"] = (None, "model")
+    layouts["(lm/)?embedding/embeddings"] = ("model", None)
+    layouts["(lm/)?hidden/kernel"] = (None, "model")
     if output:
         # Keras's activation key: the hidden features split over "model".
         layouts["hidden/output"] = ("batch", None, "model")
@@ -149,6 +183,15 @@ def counted_output_layout(self, path):
     return layout
 plan_lib.LayoutPlan.output_layout = counted_output_layout
 
+from keras_dist._src.keras_glue import internals as glue
+from torch.distributed.tensor import DTensor
+split_at_build = []
+def before_compile(model):
+    split_at_build[:] = sorted(
+        v.path for v in model.weights
+        if isinstance(glue.variable_value(v), DTensor)
+    )
+
 result = {{}}
 for name, (make, kwargs) in {CASES!r}.items():
     start = time.monotonic()
@@ -162,6 +205,7 @@ for name, (make, kwargs) in {CASES!r}.items():
         # Keras's shape inference through a laid-out layer, by hand.
         spec = model.get_layer("hidden")(keras.Input((None, 8)))
         result[name]["symbolic"] = list(spec.shape)
+    result[name]["split_at_build"] = list(split_at_build)
     result[name]["seconds"] = time.monotonic() - start
     result[name]["counts"] = dict(counts)
 if rank == 0:
@@ -207,7 +251,14 @@ def test_layers_called_by_hand_generate_as_one_device(
     counts = got["counts"]
     # Rematerialized where asked (every hidden call of the steps and of
     # the sampler), and the output key applied in every step and call.
-    assert (counts["remat"] > 0) == bool(kwargs), counts
+    remat = bool(kwargs.get("remat") or kwargs.get("remat_fn"))
+    assert (counts["remat"] > 0) == remat, counts
     assert (counts["output"] > 0) == (name == "mp_output_remat"), counts
     if name == "mp":
         assert got["symbolic"] == [None, None, 12]
+    if name.startswith("mp"):
+        # Split as they were made, before compile, functional or built by
+        # a first call on data (whose outputs came back whole).
+        prefix = "lm/" if kwargs.get("subclassed") else ""
+        want_split = [f"{prefix}embedding/embeddings", f"{prefix}hidden/kernel"]
+        assert got["split_at_build"] == want_split

@@ -185,6 +185,17 @@ def current_path() -> str:
     return current_path()
 
 
+def name_scope_owner():
+    """The object whose Keras name scope is open innermost (the layer
+    whose `build` or `add_weight` is making a variable, an optimizer
+    making its slots, a metric), or None: Keras's private name scope
+    stack (``name_scope.caller``)."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack")
+    return stack[-1].caller if stack else None
+
+
 def remat_fresh_calls(layer) -> None:
     """Gives Keras's private `Operation.rematerialized_call` of `layer` (on
     the instance) a new function object around the call it rematerializes,

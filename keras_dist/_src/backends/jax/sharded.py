@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 
 import jax
 import numpy as np
@@ -143,7 +144,9 @@ class LayoutPolicy:
         self.build_distribution = _PlanDistribution(
             device_mesh, plan, replicate_data=True
         )
-        self._checked = set()
+        # Models checked once (weakly: a new model may reuse an old id,
+        # on some processes only, and the check is a collective).
+        self._checked = weakref.WeakSet()
 
     def check_variables(self, model) -> None:
         """Every variable lies on the mesh with its plan's layout; every
@@ -175,7 +178,7 @@ class LayoutPolicy:
         same variables alike (`plan.check_same_on_every_process`), and
         every LayoutMap key matches one of them (a key that matches
         nothing shards nothing)."""
-        if id(model) in self._checked:
+        if model in self._checked:
             return
         # First, so that every process fails alike.
         plan_lib.check_same_on_every_process(
@@ -188,7 +191,7 @@ class LayoutPolicy:
         )
         paths = [v.path for v in model.variables]
         plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
-        self._checked.add(id(model))
+        self._checked.add(model)
 
 
 class ShardedEngine(SPMDEngine):

@@ -102,7 +102,7 @@ def _chief_initial_value(original):
         # same variables in the same order, as it builds the same model.
         engine = getattr(context.current_strategy(), "extended", None)
         if isinstance(engine, TorchEngine) and not context.call_stack():
-            broadcast_from_chief(engine.aux_group, [variable])
+            engine.adopt_new_variable(variable)
 
     return _initialize
 
@@ -142,6 +142,11 @@ class TorchEngine(EngineDefaults):
         # One state per call in progress, innermost last; the first serves
         # custom loops, outside any call.
         self._calls = [CallState()]
+
+    def adopt_new_variable(self, variable) -> None:
+        """Gives `variable`, just made in this engine's scope outside any
+        call, the chief's value (one broadcast)."""
+        broadcast_from_chief(self.aux_group, [variable])
 
     @property
     def rank(self) -> int:

@@ -18,7 +18,7 @@ layer calls DTensor needs beside them, and calls by hand:
 - under `ShardedDataParallel`, each layer's split variables gathered in
   one all-gather a pass (`layer_gather`);
 - a layer called by hand with plain tensors runs as a step does and
-  returns plain tensors (`_direct_call`); the plan's ``"…/output"`` keys
+  returns plain tensors (`direct_call`); the plan's ``"…/output"`` keys
   relayout outputs (`_output_layout_call`).
 """
 
@@ -196,6 +196,71 @@ def _split_input_call(layer, original):
 _IN_STEP = threading.local()
 
 
+@contextlib.contextmanager
+def dtensor_ops(engine):
+    """Inside a step, a plain tensor that Keras makes (a recurrent
+    layer's zero state, a metric's constants, an optimizer's scalars)
+    is the same on every rank: DTensor treats it as replicated
+    (`implicit_replication`) instead of refusing the mix. On CPUs,
+    scaled dot-product attention (MultiHeadAttention's) runs torch's
+    math kernel: DTensor has no sharding rule for the CPU flash
+    kernel's backward (torch 2.13), and the math kernel's ops all have
+    one."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(implicit_replication())
+        if engine.device.type == "cpu":
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        _IN_STEP.depth = getattr(_IN_STEP, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _IN_STEP.depth -= 1
+
+
+def direct_call(engine, layer, inner, building=(False,)):
+    """`inner` (the call of `layer`) that, called by hand with plain
+    tensors on a layer whose variables are DTensors, runs as a step
+    does: every rank passes the same whole inputs, which go in
+    replicated, and the outputs come back whole, as plain tensors (in
+    Keras's symbolic shape inference they stay DTensors: only their
+    shapes are read, and gathering them would be a collective). Inside
+    a step or a call by hand (nested layers), with DTensor inputs, in
+    Keras's symbolic build of a model (``building[0]``), or before the
+    variables are laid out, the call is `inner` itself."""
+
+    def replicated(x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(
+                x.to(engine.device),
+                engine.torch_mesh,
+                engine.replicated,
+                run_check=False,
+            )
+        return x
+
+    def call(*args, **kwargs):
+        if (
+            getattr(_IN_STEP, "depth", 0)
+            or building[0]
+            or not any(
+                isinstance(glue.variable_value(v), DTensor)
+                for v in layer.weights
+            )
+            or any(isinstance(x, DTensor) for x in tree.flatten((args, kwargs)))
+        ):
+            return inner(*args, **kwargs)
+        args, kwargs = tree.map_structure(replicated, (args, kwargs))
+        with dtensor_ops(engine):
+            outputs = inner(*args, **kwargs)
+        if glue.in_symbolic_scope():
+            return outputs
+        return layouts.to_plain(outputs)
+
+    call.__doc__ = getattr(inner, "__doc__", None)
+    call._keras_dist_outer_inner = inner
+    return call
+
+
 class LayoutSteps(ModelSteps):
     """Keras's own steps on DTensor batches and variables."""
 
@@ -246,7 +311,7 @@ class LayoutSteps(ModelSteps):
     def _install_direct_calls(self) -> None:
         """A layer of the model called by hand, outside the steps (`model(x)`
         for inference, a sampler's ``model.get_layer("embedding")(ids)``,
-        a sublayer of a backbone): see `_direct_call`. Keras's symbolic
+        a sublayer of a backbone): see `direct_call`. Keras's symbolic
         build of the model calls it as one device does. Also the plan's
         ``"…/output"`` keys (`_output_layout_call`)."""
         building = self.building
@@ -274,7 +339,7 @@ class LayoutSteps(ModelSteps):
             if base is None:
                 base = type(layer).call.__get__(layer)
             inner = self._output_layout_call(base) if outputs else base
-            call = self._direct_call(layer, inner)
+            call = direct_call(self.engine, layer, inner, self.building)
             call._keras_dist_outer_inner = base
             layer.__dict__["call"] = call
 
@@ -315,92 +380,26 @@ class LayoutSteps(ModelSteps):
         call.__doc__ = getattr(inner, "__doc__", None)
         return call
 
-    def _direct_call(self, layer, inner):
-        """`inner` (the call of `layer`) that, called by hand with plain
-        tensors on a layer whose variables are DTensors, runs as a step
-        does: every rank passes the same whole inputs, which go in
-        replicated, and the outputs come back whole, as plain tensors (in
-        Keras's symbolic shape inference they stay DTensors: only their
-        shapes are read, and gathering them would be a collective). Inside
-        a step or a call by hand (nested layers), with DTensor inputs, in
-        Keras's symbolic build, or before the variables are laid out, the
-        call is `inner` itself."""
-        engine = self.engine
-        building = self.building
-
-        def replicated(x):
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                return DTensor.from_local(
-                    x.to(engine.device),
-                    engine.torch_mesh,
-                    engine.replicated,
-                    run_check=False,
-                )
-            return x
-
-        def call(*args, **kwargs):
-            if (
-                getattr(_IN_STEP, "depth", 0)
-                or building[0]
-                or not any(
-                    isinstance(glue.variable_value(v), DTensor)
-                    for v in layer.weights
-                )
-                or any(
-                    isinstance(x, DTensor) for x in tree.flatten((args, kwargs))
-                )
-            ):
-                return inner(*args, **kwargs)
-            args, kwargs = tree.map_structure(replicated, (args, kwargs))
-            with self._dtensor_ops():
-                outputs = inner(*args, **kwargs)
-            if glue.in_symbolic_scope():
-                return outputs
-            return layouts.to_plain(outputs)
-
-        call.__doc__ = getattr(inner, "__doc__", None)
-        return call
-
     def prepare(self) -> None:
         """The model's variables as DTensors."""
         self.engine.lay_out(self.model)
-
-    @contextlib.contextmanager
-    def _dtensor_ops(self):
-        """Inside a step, a plain tensor that Keras makes (a recurrent
-        layer's zero state, a metric's constants, an optimizer's scalars)
-        is the same on every rank: DTensor treats it as replicated
-        (`implicit_replication`) instead of refusing the mix. On CPUs,
-        scaled dot-product attention (MultiHeadAttention's) runs torch's
-        math kernel: DTensor has no sharding rule for the CPU flash
-        kernel's backward (torch 2.13), and the math kernel's ops all have
-        one."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(implicit_replication())
-            if self.engine.device.type == "cpu":
-                stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
-            _IN_STEP.depth = getattr(_IN_STEP, "depth", 0) + 1
-            try:
-                yield
-            finally:
-                _IN_STEP.depth -= 1
 
     def train_step(self, data):
         """Keras's `train_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
         shard_update.install(self.model.optimizer)
-        with self._dtensor_ops():
+        with dtensor_ops(self.engine):
             return layouts.to_plain(self.model.train_step(batch))
 
     def test_step(self, data):
         """Keras's `test_step` on a DTensor batch."""
         batch = self.engine.place_batch(data)
-        with self._dtensor_ops():
+        with dtensor_ops(self.engine):
             return layouts.to_plain(self.model.test_step(batch))
 
     def predict_step(self, data):
         """Keras's `predict_step`; the whole batch's outputs on every
         rank."""
         batch = self.engine.place_batch(data)
-        with self._dtensor_ops():
+        with dtensor_ops(self.engine):
             return layouts.to_plain(self.model.predict_step(batch))

@@ -28,7 +28,7 @@ from keras_dist._src.errors import LayoutError
 from keras_dist._src.keras_glue import internals as glue
 
 #: Keras's convolution layers (their kernels stay whole on torch).
-_CONVOLUTIONS = (
+CONVOLUTIONS = (
     keras.layers.Conv1D,
     keras.layers.Conv2D,
     keras.layers.Conv3D,
@@ -164,7 +164,7 @@ def variable_layouts(plan, model) -> list:
     convolutions = {
         id(v)
         for layer in glue.flatten_layers(model, include_self=True)
-        if isinstance(layer, _CONVOLUTIONS)
+        if isinstance(layer, CONVOLUTIONS)
         for v in layer.variables
     }
     for variable in model.variables:

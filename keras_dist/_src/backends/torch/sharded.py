@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 
+import keras
 import numpy as np
 import torch
 from keras import tree
@@ -63,7 +65,10 @@ from keras_dist._src.backends.torch.engine import (
     TorchEngine,
     broadcast_from_chief,
 )
-from keras_dist._src.backends.torch.layout_steps import LayoutSteps
+from keras_dist._src.backends.torch.layout_steps import (
+    LayoutSteps,
+    direct_call,
+)
 from keras_dist._src.backends.torch.runtime import TorchRuntime
 from keras_dist._src.devices import normalize_device
 from keras_dist._src.errors import LayoutError, UnsupportedBackendError
@@ -131,7 +136,9 @@ class DTensorEngine(TorchEngine):
             layouts.dtensor_array,
             layouts.dtensor_update,
         )
-        self._checked = set()
+        # Models checked once (weakly: a new model may reuse an old id,
+        # on some ranks only, and the check is a collective).
+        self._checked = weakref.WeakSet()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -139,6 +146,42 @@ class DTensorEngine(TorchEngine):
         return self.batch_parts
 
     # -- variables ------------------------------------------------------------
+    def adopt_new_variable(self, variable) -> None:
+        """The chief's value (one broadcast); then a layer's variable that
+        its layout splits is split at once, so that building a model in
+        the scope holds its shares and at most one whole variable, never
+        the whole model. The layer, called by hand before `fit`
+        (``model(x)``, Keras's shape inference), then runs as after it
+        (`layout_steps.direct_call`). Left whole until `lay_out`: a
+        metric's, an optimizer's (its slots follow their variables,
+        `shard_optimizer_slots`), a convolution's, a variable made
+        outside any layer, and one Keras initializes after its layer's
+        build (a subclassed model built by a symbolic run)."""
+        super().adopt_new_variable(variable)
+        layer = glue.name_scope_owner()
+        if (
+            not isinstance(layer, keras.layers.Layer)
+            or isinstance(layer, layouts.CONVOLUTIONS)
+            # Initialized later than made (Keras builds a subclassed model
+            # by a symbolic run, then initializes its variables under the
+            # model's scope): the innermost layer is not its owner.
+            or variable.path.rpartition("/")[0] != glue.current_path()
+        ):
+            return
+        shape = tuple(variable.shape)
+        layout = plan_lib.check_variable_layout(
+            self.plan,
+            variable.path,
+            shape,
+            self.plan.variable_layout(variable.path, shape),
+        )
+        if not any(layout):
+            return
+        self._keep_shard(variable, layouts.placements(self.mesh, layout))
+        if not hasattr(layer.__dict__.get("call"), "_keras_dist_outer_inner"):
+            base = layer.__dict__.get("call") or type(layer).call.__get__(layer)
+            layer.__dict__["call"] = direct_call(self, layer, base)
+
     def lay_out(self, model) -> None:
         """Makes every variable of `model` (optimizer and metrics included)
         a DTensor with its layout, from the chief's values; checks that
@@ -146,21 +189,26 @@ class DTensorEngine(TorchEngine):
         LayoutMap key matches a variable."""
         if not getattr(model, "built", False) or not model.variables:
             return
+        pairs = layouts.variable_layouts(self.plan, model)
         pending = [
             (v, layout)
-            for v, layout in layouts.variable_layouts(self.plan, model)
+            for v, layout in pairs
             if not isinstance(glue.variable_value(v), DTensor)
         ]
-        if pending:  # first, so that every rank fails alike
+        first = model not in self._checked
+        if pending or first:  # first, so that every rank fails alike
             plan_lib.check_same_on_every_process(
                 self.runtime,
-                [(v.path, v.shape, layout) for v, layout in pending],
+                [
+                    (v.path, v.shape, lay)
+                    for v, lay in (pairs if first else pending)
+                ],
                 f"model {model.name!r}",
             )
-        if id(model) not in self._checked:
+        if first:
             paths = [v.path for v in model.variables]
             plan_lib.check_unmatched(self.plan, paths, f"model {model.name!r}")
-            self._checked.add(id(model))
+            self._checked.add(model)
         if not pending:
             return
         # The chief's values, a bucket of variables at a time (no bigger
