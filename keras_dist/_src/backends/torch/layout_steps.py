@@ -217,6 +217,13 @@ def dtensor_ops(engine):
             _IN_STEP.depth -= 1
 
 
+def base_call(layer):
+    """The call of `layer` under the wrappers keras_dist installs around
+    everything else (`layer_gather.peel`), or its class's call (bound)."""
+    base = layer_gather.peel(layer.__dict__.get("call"))
+    return type(layer).call.__get__(layer) if base is None else base
+
+
 def direct_call(engine, layer, inner, building=(False,)):
     """`inner` (the call of `layer`) that, called by hand with plain
     tensors on a layer whose variables are DTensors, runs as a step
@@ -335,9 +342,7 @@ class LayoutSteps(ModelSteps):
             )
         for layer in glue.flatten_layers(self.model, include_self=True):
             # Installed again (a recompile): around what is under it now.
-            base = layer_gather.peel(layer.__dict__.get("call"))
-            if base is None:
-                base = type(layer).call.__get__(layer)
+            base = base_call(layer)
             inner = self._output_layout_call(base) if outputs else base
             call = direct_call(self.engine, layer, inner, self.building)
             call._keras_dist_outer_inner = base

@@ -67,6 +67,7 @@ from keras_dist._src.backends.torch.engine import (
 )
 from keras_dist._src.backends.torch.layout_steps import (
     LayoutSteps,
+    base_call,
     direct_call,
 )
 from keras_dist._src.backends.torch.runtime import TorchRuntime
@@ -179,8 +180,7 @@ class DTensorEngine(TorchEngine):
             return
         self._keep_shard(variable, layouts.placements(self.mesh, layout))
         if not hasattr(layer.__dict__.get("call"), "_keras_dist_outer_inner"):
-            base = layer.__dict__.get("call") or type(layer).call.__get__(layer)
-            layer.__dict__["call"] = direct_call(self, layer, base)
+            layer.__dict__["call"] = direct_call(self, layer, base_call(layer))
 
     def lay_out(self, model) -> None:
         """Makes every variable of `model` (optimizer and metrics included)
