@@ -143,7 +143,7 @@ def test_a_model_a_rank_cannot_hold_trains_on_four_capped_ranks(tmp_path):
     ])  # fmt: skip
     # Never the whole model on a rank: each variable is split as it is
     # made, so building it (and compiling) costs less than its
-    # parameters (131 MiB when the variables were split at compile).
+    # parameters.
     params = state // 3
     for p in peaks:
         assert p["after the build"] < params, (p, params)
